@@ -1,0 +1,1 @@
+"""RollVerify: verified partial rollout for RL of LLMs."""

@@ -1,0 +1,1 @@
+"""SGLang server extension: a real SGLang engine behind a ZMQ control channel."""
