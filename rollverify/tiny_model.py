@@ -1,0 +1,187 @@
+"""Deterministic tiny Qwen3 / Qwen3-MoE checkpoints in Hugging Face format, made offline.
+
+The CPU default of the project (tests, demo) runs on these: real architectures (GQA, qk-norm, SwiGLU, MoE
+router and experts) at a size two CPU cores serve and train in seconds. The same spec and seed give
+byte-identical files, so one cached copy serves every test session and the demo.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import string
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+MARKER = "rollverify_model.json"
+
+# Character-level vocabulary: every id decodes to exactly one token, so any id the model samples is printable.
+SPECIAL_TOKENS = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHARS = list(string.digits + string.ascii_letters + string.punctuation + " \n")
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    """Architecture of a tiny model; its hash names the cache entry."""
+
+    moe: bool = False
+    vocab_size: int = 128
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    num_experts: int = 8
+    top_k: int = 2
+    moe_intermediate_size: int = 64
+    seed: int = 0
+    task: str | None = None  # supervised warm start on a synthetic task (added by the loop issue)
+    extra: dict = field(default_factory=dict)
+
+    def digest(self) -> str:
+        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def vocabulary(vocab_size: int) -> list[str]:
+    """Special tokens, printable characters, then reserved fillers up to `vocab_size`."""
+    base = SPECIAL_TOKENS + CHARS
+    if vocab_size < len(base):
+        raise ValueError(f"vocab_size must be >= {len(base)} (special tokens + characters), got {vocab_size}")
+    return base + [f"<|reserved_{i}|>" for i in range(vocab_size - len(base))]
+
+
+def build_tokenizer(vocab_size: int):
+    """A character-level fast tokenizer whose vocabulary is exactly the model's."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(vocabulary(vocab_size))}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens([t for t in vocab if t.startswith("<|")])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|endoftext|>",
+        pad_token="<|pad|>",
+        bos_token=None,
+        unk_token="<|endoftext|>",
+        model_max_length=1 << 20,
+    )
+
+
+def hf_config(spec: TinyModelSpec):
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
+    common = dict(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        bos_token_id=None,
+        eos_token_id=SPECIAL_TOKENS.index("<|endoftext|>"),
+        pad_token_id=SPECIAL_TOKENS.index("<|pad|>"),
+        torch_dtype="float32",
+        attention_bias=False,
+    )
+    if spec.moe:
+        return Qwen3MoeConfig(
+            intermediate_size=spec.intermediate_size,
+            moe_intermediate_size=spec.moe_intermediate_size,
+            num_experts=spec.num_experts,
+            num_experts_per_tok=spec.top_k,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
+            output_router_logits=False,
+            **common,
+        )
+    return Qwen3Config(intermediate_size=spec.intermediate_size, **common)
+
+
+def _init_model(spec: TinyModelSpec):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(spec.seed)
+    model = AutoModelForCausalLM.from_config(hf_config(spec), dtype=torch.float32)
+    # A wider init than HF's 0.02 so the untrained model's distribution is not uniform: sampled outputs and
+    # routing decisions then differ by token, which the parity tests need.
+    gen = torch.Generator().manual_seed(spec.seed)
+    with torch.no_grad():
+        for _name, p in sorted(model.named_parameters()):
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * (1.0 / p.shape[-1] ** 0.5))
+    return model
+
+
+def is_tiny_model(path: Path) -> bool:
+    return (Path(path) / MARKER).is_file()
+
+
+def make_tiny_model(out: str | os.PathLike, spec: TinyModelSpec, force: bool = False) -> Path:
+    """Write the model, tokenizer and a marker into `out`; refuse to overwrite anything else."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out} exists and is not a directory; choose another --out")
+    if out.is_dir() and any(out.iterdir()):
+        if not is_tiny_model(out):
+            raise FileExistsError(
+                f"{out} is not empty and is not a RollVerify tiny model (no {MARKER}); "
+                "nothing was written: pass an empty or new folder"
+            )
+        marker = json.loads((out / MARKER).read_text())
+        if marker.get("digest") == spec.digest() and not force:
+            return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=out.parent))
+    try:
+        model = _init_model(spec)
+        if spec.task is not None:
+            from rollverify.warm_start import warm_start  # supervised warm start on a synthetic task
+
+            model = warm_start(model, build_tokenizer(spec.vocab_size), spec)
+        model.save_pretrained(tmp, safe_serialization=True)
+        build_tokenizer(spec.vocab_size).save_pretrained(tmp)
+        (tmp / MARKER).write_text(json.dumps({"digest": spec.digest(), "spec": asdict(spec)}, indent=1) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return out
+
+
+def cache_root() -> Path:
+    """Shared cache for tiny models: ROLLVERIFY_CACHE, else `.cache/` at the repository root."""
+    env = os.environ.get("ROLLVERIFY_CACHE")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parent.parent / ".cache"
+
+
+def ensure_tiny_model(spec: TinyModelSpec | None = None, **overrides) -> Path:
+    """The cached model for `spec` (made on first use); concurrent callers are serialised by a lock file."""
+    import fcntl
+
+    spec = spec or TinyModelSpec(**overrides)
+    root = cache_root() / "models"
+    root.mkdir(parents=True, exist_ok=True)
+    name = f"{'qwen3moe' if spec.moe else 'qwen3'}-{spec.task or 'base'}-{spec.digest()}"
+    with open(root / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return make_tiny_model(root / name, spec)
