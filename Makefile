@@ -1,0 +1,41 @@
+# Two commands a new user needs: `make demo` and `make test`. Both set up what is missing first.
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+# gpu when an NVIDIA driver answers, else cpu; override with `make setup PROFILE=cpu|gpu`
+PROFILE ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
+REQS := requirements/$(PROFILE).txt requirements/sglang.txt pyproject.toml
+STAMP := $(VENV)/.rollverify-$(PROFILE)-$(shell cat $(REQS) 2>/dev/null | sha256sum | cut -c1-16)
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test lint clean-venv
+
+setup: $(STAMP)
+
+$(STAMP):
+	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; RollVerify needs Python 3.11" >&2; exit 1; }
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "[setup] installing the $(PROFILE) path into $(VENV) (first run: a few minutes)"
+	@if [ "$(PROFILE)" = cpu ]; then \
+	  $(PY) -m pip install -q --disable-pip-version-check -r requirements/cpu.txt && \
+	  $(PY) -m pip install -q --disable-pip-version-check --no-deps -r requirements/sglang.txt ; \
+	else \
+	  $(PY) -m pip install -q --disable-pip-version-check -r requirements/gpu.txt ; \
+	fi
+	@$(PY) -m pip install -q --disable-pip-version-check --no-deps -e .
+	@rm -f $(VENV)/.rollverify-*
+	@touch $(STAMP)
+	@echo "[setup] done: $$(du -sh $(VENV) | cut -f1) in $(VENV)"
+
+demo: setup
+	$(VENV)/bin/rollverify smoke
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check rollverify sglang_ext megatron_bridge tools tests
+
+clean-venv:
+	rm -rf $(VENV)
