@@ -1,0 +1,387 @@
+"""Hugging Face <-> Megatron-Core weights for Qwen3 / Qwen3-MoE, sharded for TP, EP and PP, tensor by tensor.
+
+One table (`_entries`) lists every weight of the architecture once, in a fixed global order, with its HF
+name(s), its Megatron-Core name and how it is split across ranks:
+
+* `rep`  replicated (norms, router);
+* `row0` split along dim 0 over TP (vocab-parallel embedding and output layer);
+* `row1` split along dim 1 over TP (row-parallel `linear_proj`, `linear_fc2`);
+* `qkv`  q/k/v fused per query group `[q heads of group g, k_g, v_g]` and split by groups over TP;
+* `glu`  gate/up fused as `[gate shard, up shard]` per TP rank.
+
+Experts (etp = 1) live whole on the EP rank that owns them; layers on the pipeline stage that owns them.
+
+Loading reads only this rank's slice of each tensor (`safe_open(...).get_slice`), so no rank ever holds a second
+full copy of the model, and checks every shape against the config before the first copy: a bad checkpoint
+fails naming the tensor and leaves the model untouched. Export walks the same table and assembles one HF
+tensor at a time with collectives inside the TP, EP and PP groups (every rank must iterate; every rank gets
+the full tensor), so the peak extra memory is one tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_bridge.model import ModelArch, UnsupportedCheckpoint, unwrap
+
+
+class CheckpointMismatch(ValueError):
+    """A tensor of the checkpoint is missing or has a shape its config does not allow."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One Megatron-Core weight and the HF tensor(s) it is made of."""
+
+    mcore: str  # Megatron name with the *global* layer index and *global* expert index
+    hf: tuple[str, ...]
+    hf_shapes: tuple[tuple[int, ...], ...]
+    kind: str  # rep | row0 | row1 | qkv | glu
+    layer: int | None = None  # global layer index (None: embedding / final norm / output layer)
+    expert: int | None = None  # global expert index
+    stage: str = "layer"  # "first" (embedding), "last" (final norm, output layer) or "layer"
+
+
+def _entries(arch: ModelArch) -> list[Entry]:
+    h, hd, nq, nkv = arch.hidden_size, arch.head_dim, arch.num_heads, arch.num_kv_heads
+    out = [Entry("embedding.word_embeddings.weight", ("model.embed_tokens.weight",),
+                 ((arch.vocab_size, h),), "row0", stage="first")]
+    for i in range(arch.num_layers):
+        m, p = f"decoder.layers.{i}.", f"model.layers.{i}."
+        out.append(Entry(m + "input_layernorm.weight", (p + "input_layernorm.weight",), ((h,),), "rep", i))
+        out.append(Entry(m + "self_attention.linear_qkv.weight",
+                         tuple(p + f"self_attn.{x}_proj.weight" for x in "qkv"),
+                         ((nq * hd, h), (nkv * hd, h), (nkv * hd, h)), "qkv", i))
+        if arch.attention_bias:
+            out.append(Entry(m + "self_attention.linear_qkv.bias",
+                             tuple(p + f"self_attn.{x}_proj.bias" for x in "qkv"),
+                             ((nq * hd,), (nkv * hd,), (nkv * hd,)), "qkv", i))
+        out.append(Entry(m + "self_attention.linear_proj.weight", (p + "self_attn.o_proj.weight",),
+                         ((h, nq * hd),), "row1", i))
+        out.append(Entry(m + "self_attention.q_layernorm.weight", (p + "self_attn.q_norm.weight",), ((hd,),),
+                         "rep", i))
+        out.append(Entry(m + "self_attention.k_layernorm.weight", (p + "self_attn.k_norm.weight",), ((hd,),),
+                         "rep", i))
+        out.append(Entry(m + "pre_mlp_layernorm.weight", (p + "post_attention_layernorm.weight",), ((h,),),
+                         "rep", i))
+        if arch.moe:
+            e_ff = arch.moe_intermediate_size
+            out.append(Entry(m + "mlp.router.weight", (p + "mlp.gate.weight",), ((arch.num_experts, h),),
+                             "rep", i))
+            for e in range(arch.num_experts):
+                q = f"{p}mlp.experts.{e}."
+                me = f"{m}mlp.experts.local_experts.{e}."
+                out.append(Entry(me + "linear_fc1.weight", (q + "gate_proj.weight", q + "up_proj.weight"),
+                                 ((e_ff, h), (e_ff, h)), "glu", i, e))
+                out.append(Entry(me + "linear_fc2.weight", (q + "down_proj.weight",), ((h, e_ff),), "row1", i, e))
+        else:
+            ff = arch.intermediate_size
+            out.append(Entry(m + "mlp.linear_fc1.weight", (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                             ((ff, h), (ff, h)), "glu", i))
+            out.append(Entry(m + "mlp.linear_fc2.weight", (p + "mlp.down_proj.weight",), ((h, ff),), "row1", i))
+    out.append(Entry("decoder.final_layernorm.weight", ("model.norm.weight",), ((h,),), "rep", stage="last"))
+    if not arch.tie_word_embeddings:
+        out.append(Entry("output_layer.weight", ("lm_head.weight",), ((arch.vocab_size, h),), "row0",
+                         stage="last"))
+    return out
+
+
+def hf_tensor_names(arch: ModelArch) -> list[str]:
+    """Every HF tensor name of the architecture in export order."""
+    return [n for e in _entries(arch) for n in e.hf]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where this rank sits; derived from parallel_state (or given, for tests)."""
+
+    tp: int
+    tp_rank: int
+    ep: int
+    ep_rank: int
+    pp: int
+    pp_rank: int
+
+    @staticmethod
+    def current() -> Layout:
+        from megatron.core import parallel_state as ps
+
+        return Layout(ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(),
+                      ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank(),
+                      ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank())
+
+
+def _stage_of(entry: Entry, arch: ModelArch, pp: int) -> int:
+    if entry.stage == "first":
+        return 0
+    if entry.stage == "last":
+        return pp - 1
+    return entry.layer // (arch.num_layers // pp)
+
+
+def _local_name(entry: Entry, arch: ModelArch, lay: Layout) -> str | None:
+    """This rank's Megatron parameter name for `entry`, or None if the rank holds no part of it."""
+    if _stage_of(entry, arch, lay.pp) != lay.pp_rank:
+        return None
+    name = entry.mcore
+    if entry.layer is not None:
+        per_stage = arch.num_layers // lay.pp
+        name = name.replace(f"decoder.layers.{entry.layer}.", f"decoder.layers.{entry.layer % per_stage}.", 1)
+    if entry.expert is not None:
+        per_rank = arch.num_experts // lay.ep
+        if entry.expert // per_rank != lay.ep_rank:
+            return None
+        name = name.replace(f"local_experts.{entry.expert}.", f"local_experts.{entry.expert % per_rank}.", 1)
+    return name
+
+
+def _tp_split(entry: Entry, lay: Layout) -> tuple[int, int]:
+    """(tp size, tp rank) that shard this entry: experts are not TP-split (etp = 1)."""
+    if entry.kind == "rep" or entry.expert is not None:
+        return 1, 0
+    return lay.tp, lay.tp_rank
+
+
+# ----------------------------------------------------------------------------------------------- loading
+
+
+class _Reader:
+    """Lazy access to a (possibly multi-file) safetensors checkpoint: shapes from headers, slices on demand."""
+
+    def __init__(self, path: Path) -> None:
+        from safetensors import safe_open
+
+        index = path / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in path.glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(f"{path} has no *.safetensors files")
+            weight_map = None
+        self._handles = {f: safe_open(str(path / f), "pt", device="cpu") for f in files}
+        self.where: dict[str, str] = {}
+        for f, h in self._handles.items():
+            for k in h.keys():
+                if weight_map is None or weight_map.get(k) == f:
+                    self.where[k] = f
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        f = self.where.get(name)
+        return None if f is None else tuple(self._handles[f].get_slice(name).get_shape())
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        return self._handles[self.where[name]].get_slice(name)[start:stop]
+
+    def cols(self, name: str, start: int, stop: int) -> torch.Tensor:
+        return self._handles[self.where[name]].get_slice(name)[:, start:stop]
+
+    def full(self, name: str) -> torch.Tensor:
+        return self._handles[self.where[name]].get_tensor(name)
+
+
+def _read_shard(entry: Entry, reader: _Reader, arch: ModelArch, lay: Layout, hf_names: tuple[str, ...]):
+    tp, r = _tp_split(entry, lay)
+    k = entry.kind
+    if k == "rep" or (tp == 1 and k in ("row0", "row1")):
+        return reader.full(hf_names[0])
+    if k == "row0":
+        n = entry.hf_shapes[0][0] // tp
+        return reader.rows(hf_names[0], r * n, (r + 1) * n)
+    if k == "row1":
+        n = entry.hf_shapes[0][1] // tp
+        return reader.cols(hf_names[0], r * n, (r + 1) * n)
+    if k == "glu":
+        n = entry.hf_shapes[0][0] // tp
+        return torch.cat([reader.rows(x, r * n, (r + 1) * n) for x in hf_names])
+    if k == "qkv":
+        hd = arch.head_dim
+        groups = arch.num_kv_heads // tp
+        qpg = arch.num_heads // arch.num_kv_heads
+        g0 = r * groups
+        q = reader.rows(hf_names[0], g0 * qpg * hd, (g0 + groups) * qpg * hd)
+        kk = reader.rows(hf_names[1], g0 * hd, (g0 + groups) * hd)
+        v = reader.rows(hf_names[2], g0 * hd, (g0 + groups) * hd)
+        tail = q.shape[1:]
+        parts = [q.reshape(groups, qpg * hd, *tail), kk.reshape(groups, hd, *tail), v.reshape(groups, hd, *tail)]
+        return torch.cat(parts, dim=1).reshape(-1, *tail)
+    raise AssertionError(k)
+
+
+def check_checkpoint(path: str | Path, arch: ModelArch | None = None) -> ModelArch:
+    """Validate a checkpoint against its own config without reading any weight; returns its architecture."""
+    path = Path(path)
+    arch = arch or ModelArch.from_hf_dir(path)
+    reader = _Reader(path)
+    _check_shapes(reader, arch, path)
+    return arch
+
+
+def _hf_names_for(entry: Entry, arch: ModelArch, reader: _Reader) -> tuple[str, ...]:
+    # a tied output layer on a later pipeline stage is loaded from the embedding
+    if entry.mcore == "output_layer.weight" and arch.tie_word_embeddings:
+        return ("model.embed_tokens.weight",)
+    return entry.hf
+
+
+def _check_shapes(reader: _Reader, arch: ModelArch, path: Path) -> None:
+    problems = []
+    for e in _entries(arch):
+        for name, want in zip(e.hf, e.hf_shapes, strict=True):
+            got = reader.shape(name)
+            if got is None:
+                problems.append(f"{name}: missing")
+            elif got != want:
+                problems.append(f"{name}: shape {list(got)}, config implies {list(want)}")
+    if problems:
+        raise CheckpointMismatch(f"checkpoint {path} does not match its config.json ({arch.architecture}): "
+                                 + "; ".join(problems[:8]) + (f"; ... {len(problems) - 8} more"
+                                                               if len(problems) > 8 else ""))
+
+
+@torch.no_grad()
+def load_hf_checkpoint(model, path: str | Path, arch: ModelArch | None = None, layout: Layout | None = None) -> int:
+    """Copy an HF checkpoint into this rank's shard of `model`; returns the number of parameters filled.
+
+    All shapes are checked first (and every parameter of the model must be covered), so on any error the model
+    is left exactly as it was.
+    """
+    path = Path(path)
+    arch = arch or ModelArch.from_hf_dir(path)
+    lay = layout or Layout.current()
+    model = unwrap(model)
+    reader = _Reader(path)
+    _check_shapes(reader, arch, path)
+    params = dict(model.named_parameters())
+    plan = []
+    for e in _entries(arch):
+        local = _local_name(e, arch, lay)
+        if local is None and e.stage == "first" and arch.tie_word_embeddings and "output_layer.weight" in params:
+            # a tied output layer on the last stage (pp > 1) is a copy of the embedding
+            plan.append(("output_layer.weight", e))
+        if local is None:
+            continue
+        if local not in params:
+            raise UnsupportedCheckpoint(f"model has no parameter {local} for {e.hf}: bridge/model mismatch")
+        plan.append((local, e))
+    missing = set(params) - {name for name, _ in plan}
+    if missing:
+        raise UnsupportedCheckpoint(f"no checkpoint tensor maps to model parameters {sorted(missing)[:5]}")
+    for local, e in plan:  # every shape before the first copy
+        want = _shard_shape(e, arch, lay)
+        if want != tuple(params[local].shape):
+            raise UnsupportedCheckpoint(f"{e.hf[0]}: this rank's shard would be {list(want)} but model parameter "
+                                        f"{local} is {list(params[local].shape)}: model built for another config")
+    for local, e in plan:  # then stream: one shard in memory at a time
+        params[local].data.copy_(_read_shard(e, reader, arch, lay, _hf_names_for(e, arch, reader)))
+    return len(plan)
+
+
+def _shard_shape(entry: Entry, arch: ModelArch, lay: Layout) -> tuple[int, ...]:
+    tp, _ = _tp_split(entry, lay)
+    first = entry.hf_shapes[0]
+    if entry.kind == "rep":
+        return first
+    if entry.kind == "row0":
+        return (first[0] // tp, *first[1:])
+    if entry.kind == "row1":
+        return (first[0], first[1] // tp)
+    rows = sum(s[0] for s in entry.hf_shapes) // tp
+    return (rows, *first[1:])
+
+
+# ----------------------------------------------------------------------------------------------- export
+
+
+def _group_rank(group) -> tuple[int, int]:
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _gather_tp(t: torch.Tensor, dim: int, group) -> list[torch.Tensor]:
+    size, _ = _group_rank(group)
+    if size == 1:
+        return [t]
+    parts = [torch.empty_like(t) for _ in range(size)]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return parts
+
+
+def _assemble(entry: Entry, parts: list[torch.Tensor], arch: ModelArch) -> list[torch.Tensor]:
+    k = entry.kind
+    if k == "rep":
+        return [parts[0]]
+    if k == "row0":
+        return [torch.cat(parts, 0)]
+    if k == "row1":
+        return [torch.cat(parts, 1)]
+    if k == "glu":
+        halves = [p.chunk(2, dim=0) for p in parts]
+        return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
+    if k == "qkv":
+        hd = arch.head_dim
+        qpg = arch.num_heads // arch.num_kv_heads
+        full = torch.cat(parts, 0)
+        tail = full.shape[1:]
+        full = full.reshape(arch.num_kv_heads, (qpg + 2) * hd, *tail)
+        q, kk, v = full.split([qpg * hd, hd, hd], dim=1)
+        return [q.reshape(-1, *tail), kk.reshape(-1, *tail), v.reshape(-1, *tail)]
+    raise AssertionError(k)
+
+
+def _broadcast_from(t: torch.Tensor | None, shape, dtype, device, src_group_rank: int, group) -> torch.Tensor:
+    size, me = _group_rank(group)
+    if size == 1:
+        assert t is not None
+        return t
+    buf = t.contiguous() if me == src_group_rank else torch.empty(shape, dtype=dtype, device=device)
+    dist.broadcast(buf, src=dist.get_global_rank(group, src_group_rank), group=group)
+    return buf
+
+
+@torch.no_grad()
+def iter_hf_tensors(model, arch: ModelArch, layout: Layout | None = None,
+                    dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield `(hf_name, full tensor)` for every weight, in `hf_tensor_names` order, on every rank.
+
+    Collective: all ranks must consume the iterator in lockstep. Tensors live on the model's device; they are
+    freshly assembled (never views of parameters when any parallelism is used), so consumers may keep them.
+    """
+    from megatron.core import parallel_state as ps
+
+    lay = layout or Layout.current()
+    model = unwrap(model)
+    params = dict(model.named_parameters())
+    ref = next(iter(params.values()))
+    device, pdtype = ref.device, ref.dtype
+    tp_group = ps.get_tensor_model_parallel_group() if lay.tp > 1 else None
+    ep_group = ps.get_expert_model_parallel_group() if lay.ep > 1 else None
+    pp_group = ps.get_pipeline_model_parallel_group() if lay.pp > 1 else None
+    for e in _entries(arch):
+        local = _local_name(e, arch, lay)
+        stage = _stage_of(e, arch, lay.pp)
+        tp, _ = _tp_split(e, lay)
+        full: list[torch.Tensor] | None = None
+        if local is not None:
+            t = params[local].detach()
+            parts = _gather_tp(t, 0, tp_group) if tp > 1 else [t]
+            full = _assemble(e, parts, arch)
+        if e.expert is not None and lay.ep > 1:
+            owner = e.expert // (arch.num_experts // lay.ep)
+            if stage == lay.pp_rank:
+                full = [_broadcast_from(full[i] if full else None, s, pdtype, device, owner, ep_group)
+                        for i, s in enumerate(e.hf_shapes)]
+        if lay.pp > 1:
+            full = [_broadcast_from(full[i] if full else None, s, pdtype, device, stage, pp_group)
+                    for i, s in enumerate(e.hf_shapes)]
+        assert full is not None
+        for name, t in zip(e.hf, full, strict=True):
+            if dtype is not None and t.dtype != dtype:
+                t = t.to(dtype)
+            yield name, t
