@@ -13,7 +13,8 @@ only these, so the project's one code path (the trainer) runs unchanged on a lap
 * the RNG tracker's CUDA state get/set functions use the CPU generator (`model_parallel_cuda_manual_seed` then
   works as is and seeds the tracker from CPU generators);
 * the optimizer and clip functions that assert CUDA type names run with `Tensor.type()` reporting CUDA names for
-  CPU tensors, for the duration of those calls only;
+  CPU tensors, and the tied-embedding setup under PP with `Tensor.cuda()` as the identity, for the duration of
+  those calls only;
 * the MoE all-to-all dispatcher gets its split sizes as numpy arrays (as its CUDA path does after the
   device-to-host copy), since `all_to_all_single` rejects tensor split sizes.
 
@@ -48,6 +49,9 @@ _MODULES = (
     "megatron.core.tensor_parallel.random",
     "megatron.core.tensor_parallel.cross_entropy",
     "megatron.core.models.gpt.gpt_model",
+    "megatron.core.models.common.language_module.language_module",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel.p2p_communication",
     "megatron.core.models.common.embeddings.rotary_pos_embedding",
     "megatron.core.transformer.attention",
     "megatron.core.transformer.dot_product_attention",
@@ -194,6 +198,26 @@ def cuda_type_names() -> Iterator[None]:
         torch.Tensor.type = original
 
 
+@contextlib.contextmanager
+def tensor_cuda_is_identity() -> Iterator[None]:
+    """Make `Tensor.cuda()` return the tensor itself, for this block only (CPU has nowhere to move it)."""
+    original = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original
+
+
+def _with_context(fn: Callable, context: Callable) -> Callable:
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with context():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
 def _with_cuda_type_names(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -263,6 +287,11 @@ def activate() -> None:
 
     dispatcher = sys.modules["megatron.core.transformer.moe.token_dispatcher"]
     _set(dispatcher, "maybe_move_tensor_to_cpu", _numpy_splits(dispatcher.maybe_move_tensor_to_cpu))
+
+    # tied embeddings under PP: the last stage's copy is moved with `.cuda()` before the first all-reduce
+    lm = sys.modules["megatron.core.models.common.language_module.language_module"].LanguageModule
+    _set(lm, "setup_embeddings_and_output_layer",
+         _with_context(lm.setup_embeddings_and_output_layer, tensor_cuda_is_identity))
 
     distrib = sys.modules["megatron.core.optimizer.distrib_optimizer"]
     cls = distrib.DistributedOptimizer

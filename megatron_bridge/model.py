@@ -143,6 +143,7 @@ def transformer_config(arch: ModelArch, *, tp: int = 1, ep: int = 1, pp: int = 1
         use_cpu_initialization=True,
         perform_initialization=init_weights,  # normally the weights come from the checkpoint
         params_dtype=dtype,
+        pipeline_dtype=dtype if pp > 1 else None,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         bias_activation_fusion=False,
