@@ -1,0 +1,273 @@
+"""The data model: responses whose generated tokens carry per-token log-probs and policy versions.
+
+A response is generated across several rollout phases (partial rollout): each phase appends tokens under
+the current policy version, so its tokens form *segments* of equal version. Per-token fields are numpy
+arrays (cheap to ship as raw buffers); ``PackedBatch`` lays many responses end to end in torch tensors for
+vectorised work on CPU or GPU.
+
+Every per-token field of a response has exactly ``num_tokens`` rows, always: ``append`` checks it and
+``truncate`` cuts them all together, in one place. (Per-token fields of different lengths after a cut are
+a known crash in partial-rollout frameworks.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+def _array(x: Any, dtype: type, name: str, ndim: int = 1) -> np.ndarray:
+    a = np.asarray(x, dtype=dtype)
+    if a.ndim != ndim:
+        raise ValueError(f"{name} must be a {ndim}-D array, got shape {a.shape}")
+    return a
+
+
+@dataclass(eq=False)
+class Response:
+    """One sampled response of a GRPO group, possibly still being generated.
+
+    Per-token fields (one row per generated token; the prompt is never part of them):
+      token_ids      int32   generated token ids
+      logprobs       float32 log-prob the engine reported when it sampled the token
+      versions       int64   policy version that generated the token
+      routed_experts int32   [tokens, layers, top_k] or None: the MoE routes of the forward pass that
+                             *produced* each token (sequence position prompt_len + j - 1), i.e. exactly the
+                             routes needed to recompute that token's log-prob; cut together with the tokens.
+    ``prompt_routed_experts`` [prompt_len - 1, layers, top_k] holds the routes of the remaining prompt
+    positions, so that prompt + response routes cover the trainer's forward pass.
+    """
+
+    group_id: int
+    index: int
+    prompt_ids: np.ndarray
+    max_new_tokens: int
+    token_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    logprobs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    versions: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    routed_experts: np.ndarray | None = None
+    prompt_routed_experts: np.ndarray | None = None
+    finished: bool = False
+    finish_reason: str | None = None
+    reward: float | None = None
+
+    def __post_init__(self) -> None:
+        self.prompt_ids = _array(self.prompt_ids, np.int32, "prompt_ids")
+        self.token_ids = _array(self.token_ids, np.int32, "token_ids")
+        self.logprobs = _array(self.logprobs, np.float32, "logprobs")
+        self.versions = _array(self.versions, np.int64, "versions")
+        if self.routed_experts is not None:
+            self.routed_experts = _array(self.routed_experts, np.int32, "routed_experts", ndim=3)
+        if self.prompt_routed_experts is not None:
+            self.prompt_routed_experts = _array(self.prompt_routed_experts, np.int32, "prompt_routed_experts", 3)
+        n = len(self.token_ids)
+        for name in ("logprobs", "versions", "routed_experts"):
+            a = getattr(self, name)
+            if a is not None and len(a) != n:
+                raise ValueError(f"{name} must have one row per generated token ({n}), got {len(a)}")
+        if self.max_new_tokens < n:
+            raise ValueError(f"max_new_tokens ({self.max_new_tokens}) must be >= the tokens generated ({n})")
+        if self.finish_reason not in (None, *FINISH_REASONS):
+            raise ValueError(f"finish_reason must be one of {FINISH_REASONS} or None, got {self.finish_reason!r}")
+
+    @property
+    def response_id(self) -> str:
+        return f"{self.group_id}-{self.index}"
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def remaining_budget(self) -> int:
+        """Tokens the next rollout may still generate for this response."""
+        return self.max_new_tokens - self.num_tokens
+
+    @property
+    def input_ids(self) -> np.ndarray:
+        """What the engine resumes from: prompt + kept generated tokens."""
+        return np.concatenate([self.prompt_ids, self.token_ids])
+
+    def staleness(self, policy_version: int) -> int:
+        """policy_version - min(versions): how many updates the oldest token lags (0 when empty)."""
+        return int(policy_version - self.versions.min()) if self.num_tokens else 0
+
+    def append(
+        self,
+        token_ids: Sequence[int] | np.ndarray,
+        logprobs: Sequence[float] | np.ndarray,
+        versions: int | Sequence[int] | np.ndarray,
+        routed_experts: np.ndarray | None = None,
+        *,
+        finish_reason: str | None = None,
+        finished: bool | None = None,
+    ) -> None:
+        """Add tokens generated in one rollout phase; a scalar version applies to all of them.
+
+        ``finished`` defaults to ``finish_reason in ("stop", "length")``: "abort" or None means paused.
+        """
+        if self.finished:
+            raise ValueError(f"response {self.response_id} is finished; truncate it before appending")
+        tok = _array(token_ids, np.int32, "token_ids")
+        lp = _array(logprobs, np.float32, "logprobs")
+        if np.ndim(versions) == 0:
+            ver = np.full(len(tok), versions, np.int64)
+        else:
+            ver = _array(versions, np.int64, "versions")
+        if not (len(lp) == len(ver) == len(tok)):
+            raise ValueError(
+                f"append needs one logprob and one version per token: {len(tok)} tokens, "
+                f"{len(lp)} logprobs, {len(ver)} versions"
+            )
+        if len(tok) > self.remaining_budget:
+            raise ValueError(f"append of {len(tok)} tokens exceeds the remaining budget {self.remaining_budget}")
+        routes = self._joined_routes(routed_experts, len(tok))
+        if finish_reason not in (None, *FINISH_REASONS):
+            raise ValueError(f"finish_reason must be one of {FINISH_REASONS} or None, got {finish_reason!r}")
+        self.token_ids = np.concatenate([self.token_ids, tok])
+        self.logprobs = np.concatenate([self.logprobs, lp])
+        self.versions = np.concatenate([self.versions, ver])
+        self.routed_experts = routes
+        self.finish_reason = finish_reason
+        self.finished = finish_reason in ("stop", "length") if finished is None else finished
+
+    def _joined_routes(self, routed_experts: np.ndarray | None, n_new: int) -> np.ndarray | None:
+        if routed_experts is None:
+            if self.routed_experts is not None and n_new:
+                raise ValueError("routed_experts missing: this response records routes for every token")
+            return self.routed_experts
+        new = _array(routed_experts, np.int32, "routed_experts", ndim=3)
+        if len(new) != n_new:
+            raise ValueError(f"routed_experts must have one row per new token ({n_new}), got {len(new)}")
+        if self.routed_experts is None:
+            if self.num_tokens:
+                raise ValueError("routed_experts given, but this response has tokens without routes")
+            return new
+        if new.shape[1:] != self.routed_experts.shape[1:]:
+            raise ValueError(
+                f"routed_experts must be [tokens, {self.routed_experts.shape[1]}, "
+                f"{self.routed_experts.shape[2]}], got {list(new.shape)}"
+            )
+        return np.concatenate([self.routed_experts, new])
+
+    def truncate(self, keep_len: int) -> int:
+        """Keep the first ``keep_len`` generated tokens (all per-token fields); return the tokens cut.
+
+        A response that loses tokens becomes unfinished (it resumes from its prefix with the remaining
+        budget) and its reward, computed on the full text, is dropped. Kept tokens keep their log-probs
+        and versions.
+        """
+        keep_len = int(keep_len)
+        if not 0 <= keep_len <= self.num_tokens:
+            raise ValueError(f"keep_len must be in [0, {self.num_tokens}], got {keep_len}")
+        cut = self.num_tokens - keep_len
+        if cut:
+            self.token_ids = self.token_ids[:keep_len].copy()
+            self.logprobs = self.logprobs[:keep_len].copy()
+            self.versions = self.versions[:keep_len].copy()
+            if self.routed_experts is not None:
+                self.routed_experts = self.routed_experts[:keep_len].copy()
+            self.finished, self.finish_reason, self.reward = False, None, None
+        return cut
+
+    def segments(self) -> list[tuple[int, int, int]]:
+        """(start, end, version) of each maximal run of equal version, in order."""
+        if not self.num_tokens:
+            return []
+        cuts = np.flatnonzero(np.diff(self.versions)) + 1
+        bounds = [0, *cuts.tolist(), self.num_tokens]
+        return [(a, b, int(self.versions[a])) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+@dataclass(eq=False)
+class Group:
+    """A prompt and its n responses (a GRPO group); finished once all n responses finished."""
+
+    group_id: int
+    prompt_ids: np.ndarray
+    n: int
+    responses: list[Response]
+    metadata: dict[str, Any] = field(default_factory=dict)  # label, task name...: JSON-able
+
+    def __post_init__(self) -> None:
+        self.prompt_ids = _array(self.prompt_ids, np.int32, "prompt_ids")
+        if len(self.responses) != self.n:
+            raise ValueError(f"a group needs n={self.n} responses, got {len(self.responses)}")
+
+    @classmethod
+    def new(
+        cls, group_id: int, prompt_ids: Sequence[int] | np.ndarray, n: int, max_new_tokens: int, **metadata: Any
+    ) -> Group:
+        """A group with n empty responses, ready to be launched."""
+        prompt = _array(prompt_ids, np.int32, "prompt_ids")
+        responses = [Response(group_id, i, prompt, max_new_tokens) for i in range(n)]
+        return cls(group_id, prompt, n, responses, dict(metadata))
+
+    @property
+    def finished(self) -> bool:
+        return all(r.finished for r in self.responses)
+
+    @property
+    def rewards(self) -> np.ndarray:
+        """[n] float32 rewards; NaN where a response has none yet."""
+        return np.array([np.nan if r.reward is None else r.reward for r in self.responses], np.float32)
+
+
+@dataclass(eq=False)
+class PackedBatch:
+    """Generated tokens of many responses laid end to end (flat tensors + per-response lengths)."""
+
+    response_ids: list[str]
+    token_ids: Tensor  # [N] int64
+    logprobs: Tensor  # [N] float32, the engine's
+    versions: Tensor  # [N] int64
+    lengths: Tensor  # [R] int64, summing to N
+    prompt_ids: Tensor  # [P] int64, the prompts end to end
+    prompt_lengths: Tensor  # [R] int64
+
+    @classmethod
+    def from_responses(cls, responses: Sequence[Response], device: str | torch.device = "cpu") -> PackedBatch:
+        def cat(arrays: list[np.ndarray], dtype: type) -> Tensor:
+            flat = np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype)
+            return torch.from_numpy(flat).to(device)
+
+        def lens(arrays: list[np.ndarray]) -> Tensor:
+            return torch.tensor([len(a) for a in arrays], dtype=torch.int64, device=device)
+
+        tokens = [r.token_ids for r in responses]
+        prompts = [r.prompt_ids for r in responses]
+        return cls(
+            response_ids=[r.response_id for r in responses],
+            token_ids=cat(tokens, np.int64),
+            logprobs=cat([r.logprobs for r in responses], np.float32),
+            versions=cat([r.versions for r in responses], np.int64),
+            lengths=lens(tokens),
+            prompt_ids=cat(prompts, np.int64),
+            prompt_lengths=lens(prompts),
+        )
+
+    @property
+    def offsets(self) -> Tensor:
+        """[R] packed position of each response's first generated token."""
+        return torch.cumsum(self.lengths, 0) - self.lengths
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_ids.shape[0]
+
+    def to(self, device: str | torch.device) -> PackedBatch:
+        tensors = {k: v.to(device) for k, v in vars(self).items() if isinstance(v, Tensor)}
+        return PackedBatch(response_ids=self.response_ids, **tensors)
+
+    def split(self, flat: Tensor) -> list[Tensor]:
+        """Cut a per-token [N] tensor back into one tensor per response."""
+        if flat.shape[:1] != (self.num_tokens,):
+            raise ValueError(f"split needs a tensor with {self.num_tokens} rows, got {tuple(flat.shape)}")
+        return list(torch.split(flat, self.lengths.tolist()))
