@@ -1,0 +1,376 @@
+"""What happens to carried-over responses after each optimizer step: one interface, five modes.
+
+  on_policy         no carry-over: the rollout phase waits for every launched group
+  partial           carry everything over unverified
+  staleness_filter  restart (from the prompt) responses whose oldest token is more than S versions old
+  ops_filter        restart responses whose whole-response mean OPS >= gamma
+  rollverify        keep the two-stage verified prefix (each stage switchable), with conditional
+                    switching to on_policy once acceptance stays low
+
+Every strategy maps (carried-over responses, the trainer's new log-probs, new policy version) to a
+``VerifyOutcome``: a keep length per response plus the statistics the loop logs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from rollverify.types import PackedBatch, Response
+from rollverify.verify import VerifyResult, two_stage_verify
+
+MODES = ("on_policy", "partial", "staleness_filter", "ops_filter", "rollverify")
+ESTIMATORS = ("window", "ema")
+
+NewLogprobs = Sequence[np.ndarray | Tensor] | Tensor | None
+
+
+@dataclass
+class AlgoConfig:
+    """Algorithm settings (defaults: the paper's)."""
+
+    mode: str = "rollverify"
+    d_s: float = 0.01  # sequence-level threshold on a segment's mean OPS
+    d_t: float = 2.0  # token-level threshold
+    seq_stage: bool = True
+    token_stage: bool = True
+    staleness_s: int = 1  # staleness_filter: restart responses older than this many versions
+    ops_gamma: float = 0.01  # ops_filter: restart responses whose mean OPS >= gamma
+    conditional_switch: bool = True  # rollverify: switch to on_policy when acceptance stays low
+    switch_window: int = 8
+    switch_tau: float = 0.5
+    switch_estimator: str = "window"  # or "ema"
+    ema_alpha: float = 0.2
+
+    def __post_init__(self) -> None:
+        def bad(key: str, allowed: str) -> ValueError:
+            return ValueError(f"algo.{key} must be {allowed}, got {getattr(self, key)!r}")
+
+        if self.mode not in MODES:
+            raise bad("mode", f"one of {MODES}")
+        for key in ("d_s", "d_t", "ops_gamma"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+                raise bad(key, "a number >= 0 (inf turns it off)")
+        for key in ("seq_stage", "token_stage", "conditional_switch"):
+            if not isinstance(getattr(self, key), bool):
+                raise bad(key, "true or false")
+        if isinstance(self.staleness_s, bool) or not isinstance(self.staleness_s, int) or self.staleness_s < 0:
+            raise bad("staleness_s", "an integer >= 0")
+        if isinstance(self.switch_window, bool) or not isinstance(self.switch_window, int) or self.switch_window < 1:
+            raise bad("switch_window", "an integer >= 1")
+        if not isinstance(self.switch_tau, int | float) or not 0 <= self.switch_tau <= 1:
+            raise bad("switch_tau", "a number in [0, 1]")
+        if self.switch_estimator not in ESTIMATORS:
+            raise bad("switch_estimator", f"one of {ESTIMATORS}")
+        if not isinstance(self.ema_alpha, int | float) or not 0 < self.ema_alpha <= 1:
+            raise bad("ema_alpha", "a number in (0, 1]")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> AlgoConfig:
+        allowed = [f.name for f in fields(cls)]
+        for key in d:
+            if key not in allowed:
+                raise ValueError(f"algo.{key} is not a setting; allowed: {', '.join(allowed)}")
+        return cls(**d)
+
+
+@dataclass
+class VerifyOutcome:
+    """Keep lengths for the carried-over responses (aligned with the input order) and the step's stats."""
+
+    response_ids: list[str]
+    lengths: np.ndarray  # [R] int64 tokens before
+    keep_lengths: np.ndarray  # [R] int64 tokens to keep
+    stats: dict[str, float]
+    switched: bool = False
+    switch_reason: str | None = None
+
+    @property
+    def decisions(self) -> dict[str, int]:
+        """response_id -> keep length: the truncation decisions sent to the engines."""
+        return dict(zip(self.response_ids, self.keep_lengths.tolist(), strict=True))
+
+    @property
+    def restarted(self) -> list[str]:
+        """Responses that lost every token: they restart from the prompt."""
+        return [i for i, n, k in zip(self.response_ids, self.lengths, self.keep_lengths, strict=True) if n and not k]
+
+    def apply(self, responses: Sequence[Response]) -> int:
+        """Truncate the responses in place; return the tokens cut."""
+        if [r.response_id for r in responses] != self.response_ids:
+            raise ValueError("apply needs the same responses, in the same order, as the strategy saw")
+        return sum(r.truncate(k) for r, k in zip(responses, self.keep_lengths.tolist(), strict=True))
+
+
+@dataclass
+class ConditionalSwitch:
+    """Switch to on_policy once the estimated acceptance rate falls below tau.
+
+    ``window``: the mean of the last W acceptance rates, once W have been seen. ``ema``: an exponential
+    moving average (weight ``ema_alpha`` on the newest), also only after W updates.
+    """
+
+    window: int = 8
+    tau: float = 0.5
+    estimator: str = "window"
+    ema_alpha: float = 0.2
+    history: list[float] = field(default_factory=list)
+    ema: float | None = None
+    updates: int = 0
+    switched: bool = False
+    reason: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.estimator not in ESTIMATORS:
+            raise ValueError(f"estimator must be one of {ESTIMATORS}, got {self.estimator!r}")
+
+    @property
+    def estimate(self) -> float | None:
+        if not self.updates:
+            return None
+        return float(np.mean(self.history)) if self.estimator == "window" else self.ema
+
+    def update(self, acceptance_rate: float) -> bool:
+        """Record one verification's acceptance rate; True exactly when this update switches."""
+        if not 0 <= acceptance_rate <= 1:
+            raise ValueError(f"acceptance_rate must be in [0, 1], got {acceptance_rate!r}")
+        if self.switched:
+            return False
+        self.updates += 1
+        self.history = [*self.history, float(acceptance_rate)][-self.window :]
+        a = self.ema_alpha
+        self.ema = acceptance_rate if self.ema is None else a * acceptance_rate + (1 - a) * self.ema
+        estimate = self.estimate
+        if self.updates >= self.window and estimate < self.tau:
+            self.switched = True
+            self.reason = (
+                f"{self.estimator} acceptance estimate {estimate:.4f} < tau {self.tau} "
+                f"after {self.updates} verifications (window {self.window})"
+            )
+            return True
+        return False
+
+    def to_state(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> ConditionalSwitch:
+        return cls(**state)
+
+
+class Strategy:
+    """Base: subclasses decide keep lengths; the base packs inputs and computes the common stats."""
+
+    mode = ""
+    carries_over = True  # False: the rollout phase waits for every launched group
+    needs_new_logprobs = False  # True: the trainer must compute new log-probs of carried-over tokens
+
+    def __init__(self, device: str | torch.device = "cpu") -> None:
+        self.device = torch.device(device)
+
+    def apply(
+        self, responses: Sequence[Response], new_logprobs: NewLogprobs = None, policy_version: int = 0
+    ) -> VerifyOutcome:
+        """Decide what to keep of each carried-over response, checked against ``policy_version``.
+
+        new_logprobs: the trainer's log-probs of each response's generated tokens under the new policy,
+        one array per response (or packed [N]); needed only when ``needs_new_logprobs``.
+        """
+        batch = PackedBatch.from_responses(responses, self.device)
+        new = _pack_new_logprobs(new_logprobs, batch) if self.needs_new_logprobs else None
+        keep, stats = self._keep(batch, new, responses, policy_version)
+        lengths, keep = batch.lengths.cpu().numpy(), keep.cpu().numpy().astype(np.int64)
+        stats = {**_common_stats(responses, lengths, keep, policy_version), **stats}
+        return VerifyOutcome(batch.response_ids, lengths, keep, stats)
+
+    def _keep(
+        self, batch: PackedBatch, new: Tensor | None, responses: Sequence[Response], version: int
+    ) -> tuple[Tensor, dict[str, float]]:
+        raise NotImplementedError
+
+
+class OnPolicy(Strategy):
+    """Nothing is carried over; anything handed in anyway restarts from its prompt."""
+
+    mode = "on_policy"
+    carries_over = False
+
+    def _keep(self, batch, new, responses, version):
+        return torch.zeros_like(batch.lengths), {}
+
+
+class Partial(Strategy):
+    """Plain partial rollout: keep every token, unverified."""
+
+    mode = "partial"
+
+    def _keep(self, batch, new, responses, version):
+        return batch.lengths, {}
+
+
+class StalenessFilter(Strategy):
+    """Restart responses whose staleness (version - min token version) exceeds S."""
+
+    mode = "staleness_filter"
+
+    def __init__(self, staleness_s: int, device: str | torch.device = "cpu") -> None:
+        super().__init__(device)
+        self.staleness_s = staleness_s
+
+    def _keep(self, batch, new, responses, version):
+        stale = torch.tensor([r.staleness(version) > self.staleness_s for r in responses], dtype=torch.bool)
+        return torch.where(stale.to(batch.lengths.device), 0, batch.lengths), {}
+
+
+class OpsFilter(Strategy):
+    """Restart responses whose whole-response mean OPS D(tau) >= gamma."""
+
+    mode = "ops_filter"
+    needs_new_logprobs = True
+
+    def __init__(self, ops_gamma: float, device: str | torch.device = "cpu") -> None:
+        super().__init__(device)
+        self.ops_gamma = ops_gamma
+
+    def _keep(self, batch, new, responses, version):
+        result = two_stage_verify(batch.logprobs, new, batch.versions, batch.lengths, math.inf, math.inf)
+        drop = result.response_mean_ops >= self.ops_gamma
+        return torch.where(drop, 0, batch.lengths), _ops_stats(result)
+
+
+class RollVerify(Strategy):
+    """Keep each response's two-stage verified prefix (a stage is off when its threshold is inf)."""
+
+    mode = "rollverify"
+    needs_new_logprobs = True
+
+    def __init__(self, d_s: float = 0.01, d_t: float = 2.0, device: str | torch.device = "cpu") -> None:
+        super().__init__(device)
+        self.d_s, self.d_t = d_s, d_t
+
+    def _keep(self, batch, new, responses, version):
+        result = two_stage_verify(batch.logprobs, new, batch.versions, batch.lengths, self.d_s, self.d_t)
+        return result.keep_lengths, _ops_stats(result)
+
+
+class Switching(Strategy):
+    """Wraps a carry-over strategy; after ``switch`` fires it behaves as on_policy for the rest of the run.
+
+    The verification that triggers the switch still applies: those responses resume once more and are
+    completed inside the next (on-policy) step.
+    """
+
+    def __init__(self, inner: Strategy, switch: ConditionalSwitch) -> None:
+        super().__init__(inner.device)
+        self.inner, self.switch = inner, switch
+        self.needs_new_logprobs = inner.needs_new_logprobs
+
+    @property
+    def mode(self) -> str:  # type: ignore[override]
+        return OnPolicy.mode if self.switch.switched else self.inner.mode
+
+    @property
+    def carries_over(self) -> bool:  # type: ignore[override]
+        return not self.switch.switched and self.inner.carries_over
+
+    def apply(self, responses, new_logprobs=None, policy_version=0):
+        if self.switch.switched:
+            return OnPolicy(self.device).apply(responses, None, policy_version)
+        outcome = self.inner.apply(responses, new_logprobs, policy_version)
+        if outcome.stats["verified_tokens"] > 0 and self.switch.update(outcome.stats["acceptance_rate"]):
+            outcome.switched, outcome.switch_reason = True, self.switch.reason
+        outcome.stats["switch_estimate"] = self.switch.estimate if self.switch.updates else float("nan")
+        outcome.stats["switched"] = float(self.switch.switched)
+        return outcome
+
+
+def make_strategy(mode: str | None = None, cfg: AlgoConfig | None = None, device: str = "cpu") -> Strategy:
+    """The strategy for ``mode`` (default ``cfg.mode``) with the settings of ``cfg``."""
+    cfg = cfg or AlgoConfig()
+    mode = mode or cfg.mode
+    if mode == "on_policy":
+        return OnPolicy(device)
+    if mode == "partial":
+        return Partial(device)
+    if mode == "staleness_filter":
+        return StalenessFilter(cfg.staleness_s, device)
+    if mode == "ops_filter":
+        return OpsFilter(cfg.ops_gamma, device)
+    if mode == "rollverify":
+        d_s = cfg.d_s if cfg.seq_stage else math.inf
+        d_t = cfg.d_t if cfg.token_stage else math.inf
+        strategy = RollVerify(d_s, d_t, device)
+        if not cfg.conditional_switch:
+            return strategy
+        switch = ConditionalSwitch(cfg.switch_window, cfg.switch_tau, cfg.switch_estimator, cfg.ema_alpha)
+        return Switching(strategy, switch)
+    raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+
+
+# --- helpers ----------------------------------------------------------------------------------------------
+
+
+def _pack_new_logprobs(new_logprobs: NewLogprobs, batch: PackedBatch) -> Tensor:
+    if new_logprobs is None:
+        raise ValueError("new_logprobs are required: one array of new-policy log-probs per carried-over response")
+    if isinstance(new_logprobs, Tensor):
+        packed = new_logprobs
+    else:
+        if len(new_logprobs) != len(batch.response_ids):
+            raise ValueError(
+                f"new_logprobs must hold one array per response ({len(batch.response_ids)}), got {len(new_logprobs)}"
+            )
+        lens = [len(x) for x in new_logprobs]
+        if lens != batch.lengths.tolist():
+            bad = next(i for i, (a, b) in enumerate(zip(lens, batch.lengths.tolist(), strict=True)) if a != b)
+            raise ValueError(
+                f"new_logprobs[{bad}] ({batch.response_ids[bad]}) must have one value per generated token "
+                f"({batch.lengths[bad]}), got {lens[bad]}"
+            )
+        arrays = [torch.as_tensor(x, dtype=torch.float32).reshape(-1) for x in new_logprobs]
+        packed = torch.cat(arrays) if arrays else torch.zeros(0)
+    if packed.shape != (batch.num_tokens,):
+        raise ValueError(f"packed new_logprobs must be [N={batch.num_tokens}], got {tuple(packed.shape)}")
+    return packed.to(device=batch.logprobs.device, dtype=torch.float32)
+
+
+def _common_stats(
+    responses: Sequence[Response], lengths: np.ndarray, keep: np.ndarray, version: int
+) -> dict[str, float]:
+    verified, kept = int(lengths.sum()), int(keep.sum())
+    staleness = np.array([r.staleness(version) for r in responses if r.num_tokens], dtype=np.float64)
+    nonempty = lengths > 0
+    return {
+        "responses": float(len(responses)),
+        "verified_tokens": float(verified),
+        "kept_tokens": float(kept),
+        "acceptance_rate": kept / verified if verified else 1.0,
+        "kept_whole_rate": float(np.mean(keep[nonempty] == lengths[nonempty])) if nonempty.any() else 1.0,
+        "restarted": float(np.sum(nonempty & (keep == 0))),
+        "truncated": float(np.sum((keep > 0) & (keep < lengths))),
+        "staleness_mean": float(staleness.mean()) if len(staleness) else 0.0,
+        "staleness_max": float(staleness.max()) if len(staleness) else 0.0,
+    }
+
+
+def _ops_stats(result: VerifyResult) -> dict[str, float]:
+    """OPS of the verified responses (means over finite values; non-finite ones are counted)."""
+    resp = result.response_mean_ops[result.lengths > 0]
+    finite = resp[torch.isfinite(resp)]
+    seg = result.segment_mean_ops
+    return {
+        "ops_response_mean": float(finite.mean()) if finite.numel() else float("nan"),
+        "ops_response_max": float(finite.max()) if finite.numel() else float("nan"),
+        "ops_nonfinite_responses": float(resp.numel() - finite.numel()),
+        "ops_segment_mean": float(seg[torch.isfinite(seg)].mean()) if seg.numel() else float("nan"),
+        "segments": float(seg.numel()),
+        "cut_by_seq_stage": float((result.seq_keep_lengths < result.lengths).sum()),
+        "cut_by_token_stage": float((result.keep_lengths < result.seq_keep_lengths).sum()),
+    }
