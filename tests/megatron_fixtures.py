@@ -25,6 +25,7 @@ MARKS = [
     pytest.mark.filterwarnings("ignore::UserWarning:megatron.*"),
     pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron.*"),
     pytest.mark.filterwarnings("ignore::FutureWarning:megatron.*"),
+    pytest.mark.filterwarnings("ignore::FutureWarning:torch.distributed.*"),
 ]
 
 

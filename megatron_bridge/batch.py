@@ -1,0 +1,101 @@
+"""Trainer-side batch: sequences of (prompt, generated tokens[, routed experts]) packed into micro-batches.
+
+A sequence of P prompt and G generated tokens enters the model as its first P + G - 1 tokens: the last token is
+never an input (nothing is predicted from it), and that is exactly the span whose routing the engine reports
+(SGLang's routed experts are `[P + G - 1, moe_layers, top_k]`). Generated token j is predicted at packed row
+`start + P - 1 + j`. Micro-batches are greedy runs of whole sequences up to a token budget (a longer sequence
+gets a micro-batch of its own), in batch order, so results come back in batch order without a sort.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from megatron_bridge.model import PackedBatch
+
+
+@dataclass
+class TrainSequence:
+    """One response as the trainer sees it. Arrays are numpy; only `prompt_ids` and `gen_ids` are required."""
+
+    prompt_ids: np.ndarray  # [P] int
+    gen_ids: np.ndarray  # [G] int, G >= 1
+    routed_experts: np.ndarray | None = None  # [P + G - 1, moe_layers, top_k] int32, engine's routing
+    rollout_logprobs: np.ndarray | None = None  # [G] float32, engine's log-probs (temperature-scaled)
+    advantage: float | np.ndarray | None = None  # scalar (GRPO) or [G]
+    loss_mask: np.ndarray | None = None  # [G] bool/0-1; None = every generated token counts
+
+    def __post_init__(self) -> None:
+        self.prompt_ids = np.asarray(self.prompt_ids, dtype=np.int64).reshape(-1)
+        self.gen_ids = np.asarray(self.gen_ids, dtype=np.int64).reshape(-1)
+        if self.prompt_ids.size < 1 or self.gen_ids.size < 1:
+            raise ValueError(f"a sequence needs >= 1 prompt and >= 1 generated token, got "
+                             f"{self.prompt_ids.size} and {self.gen_ids.size}")
+        g = self.gen_ids.size
+        for name in ("rollout_logprobs", "loss_mask"):
+            v = getattr(self, name)
+            if v is not None and np.asarray(v).reshape(-1).size != g:
+                raise ValueError(f"{name} has {np.asarray(v).size} entries for {g} generated tokens")
+
+    @property
+    def num_inputs(self) -> int:
+        return self.prompt_ids.size + self.gen_ids.size - 1
+
+
+@dataclass
+class MicroBatch:
+    packed: PackedBatch
+    seq_index: list[int]  # batch indices of the sequences in this micro-batch
+    gen_rows: torch.Tensor  # [N] rows of the packed row whose logits predict generated tokens
+    gen_targets: torch.Tensor  # [N] the generated tokens
+    gen_counts: list[int]  # per sequence
+    routes: list[torch.Tensor] | None = None  # per MoE layer [S, top_k] (filled by replay.attach)
+    extras: dict = field(default_factory=dict)
+
+
+def plan_micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
+    """Greedy consecutive grouping of sequence indices so that each group's tokens stay within `budget`."""
+    if budget < 1:
+        raise ValueError(f"micro_batch_tokens must be >= 1, got {budget}")
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    used = 0
+    for i, n in enumerate(lengths):
+        if cur and used + n > budget:
+            groups.append(cur)
+            cur, used = [], 0
+        cur.append(i)
+        used += n
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+def make_micro_batch(seqs: list[TrainSequence], index: list[int], pad_to_multiple: int = 1) -> MicroBatch:
+    inputs = [torch.from_numpy(np.concatenate([seqs[i].prompt_ids, seqs[i].gen_ids])[:-1]) for i in index]
+    packed = PackedBatch.pack(inputs, pad_to_multiple)
+    rows, targets, counts = [], [], []
+    start = 0
+    for i in index:
+        s = seqs[i]
+        p, g = s.prompt_ids.size, s.gen_ids.size
+        rows.append(torch.arange(start + p - 1, start + p - 1 + g))
+        targets.append(torch.from_numpy(s.gen_ids))
+        counts.append(g)
+        start += s.num_inputs
+    return MicroBatch(packed, list(index), torch.cat(rows), torch.cat(targets), counts)
+
+
+def split_for_data_parallel(lengths: list[int], dp: int) -> list[list[int]]:
+    """Balance sequences over `dp` ranks by tokens (longest first onto the lightest rank); keeps batch order
+    inside each rank. Deterministic, so every rank computes the same split without communication."""
+    loads = [0] * dp
+    parts: list[list[int]] = [[] for _ in range(dp)]
+    for i in sorted(range(len(lengths)), key=lambda k: (-lengths[k], k)):
+        r = min(range(dp), key=lambda k: (loads[k], k))
+        parts[r].append(i)
+        loads[r] += lengths[i]
+    return [sorted(p) for p in parts]

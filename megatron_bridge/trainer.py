@@ -1,0 +1,558 @@
+"""`MegatronTrainer`: the Megatron-Core side of the loop (log-probs, GRPO step, export, checkpoints).
+
+SPMD: every rank constructs the trainer and calls each method with the same arguments (the full batch); the
+trainer takes its data-parallel share itself and returns the full result on every rank. World size 1 runs in
+the caller's process; `SpawnedTrainer` runs N ranks as child processes behind the same methods, so the loop's
+driver stays a plain sequence of calls.
+
+Micro-batches go through Megatron-Core's forward-backward schedule (pipeline parallelism for free) with
+`calculate_per_token_loss`: each micro-batch returns its summed token loss and token count, and Megatron divides
+the gradients by the token count of the whole mini-batch over micro-batches and data-parallel ranks, which is
+the design's token-mean (never the sum of TIS weights).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_bridge import convert, replay
+from megatron_bridge.batch import (
+    MicroBatch,
+    TrainSequence,
+    make_micro_batch,
+    plan_micro_batches,
+    split_for_data_parallel,
+)
+from megatron_bridge.logprobs import vocab_parallel_logprob_entropy
+from megatron_bridge.model import UnsupportedCheckpoint, build_model, transformer_config, unwrap
+from megatron_bridge.parallel import ParallelConfig, init_parallel, use_cpu
+
+
+@dataclass
+class LossConfig:
+    """GRPO/PPO token loss (design: decoupled clip, dual clip, TIS on the recomputed old log-prob)."""
+
+    eps_low: float = 0.2
+    eps_high: float = 0.3
+    dual_clip_c: float = 3.0  # math.inf: off
+    tis_cap: float = 2.0  # math.inf: no cap; 0 or None: TIS off
+    use_tis: bool = True
+
+
+@dataclass
+class TrainerConfig:
+    tp: int = 1
+    ep: int = 1
+    pp: int = 1
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    lr_warmup_steps: int = 0
+    lr_decay_steps: int = 1000
+    lr_decay_style: str = "constant"  # constant | linear | cosine
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    optimizer: str = "adam"  # adam | sgd
+    micro_batch_tokens: int = 4096
+    replay_verify: bool = False  # see megatron_bridge.replay for why free routing verifies
+    replay_train: bool = True  # R3 for the old-log-prob recompute and the training forward
+    temperature: float = 1.0
+    use_distributed_optimizer: bool = True
+    dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
+    device: str = "auto"  # auto | cpu | cuda
+    seed: int = 1234
+    loss: LossConfig = field(default_factory=LossConfig)
+
+    def resolved_device(self) -> str:
+        if self.device == "auto":
+            return "cpu" if use_cpu() else "cuda"
+        return self.device
+
+    def resolved_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.float32 if self.resolved_device() == "cpu" else torch.bfloat16
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "fp32": torch.float32,
+                "bf16": torch.bfloat16}[self.dtype]
+
+
+def as_sequence(x: Any) -> TrainSequence:
+    """Accept a TrainSequence or anything with prompt ids / generated ids (dict or object, common names)."""
+    if isinstance(x, TrainSequence):
+        return x
+
+    def get(*names):
+        for n in names:
+            v = x.get(n) if isinstance(x, dict) else getattr(x, n, None)
+            if v is not None:
+                return v
+        return None
+
+    return TrainSequence(
+        prompt_ids=get("prompt_ids", "prompt_token_ids"),
+        gen_ids=get("gen_ids", "output_ids", "tokens", "response_ids"),
+        routed_experts=get("routed_experts"),
+        rollout_logprobs=get("rollout_logprobs", "logprobs", "lp_old"),
+        advantage=get("advantage", "advantages"),
+        loss_mask=get("loss_mask"),
+    )
+
+
+class MegatronTrainer:
+    """One rank of the trainer. See the module docstring for the SPMD contract."""
+
+    def __init__(self, model_path: str | os.PathLike, cfg: TrainerConfig | None = None) -> None:
+        self.cfg = cfg = cfg or TrainerConfig()
+        self.model_path = Path(model_path)
+        self.arch = convert.check_checkpoint(self.model_path)  # unsupported / mismatched: fail before building
+        self.device = torch.device(cfg.resolved_device())
+        self.dtype = cfg.resolved_dtype()
+        if self.arch.moe and cfg.tp > 1:
+            raise UnsupportedCheckpoint(
+                "MoE with tp > 1 is not supported with the local layer spec (Megatron-Core needs sequence "
+                "parallelism for MoE under TP, which its non-TE RMSNorm refuses): use ep instead")
+        if cfg.optimizer != "adam" and cfg.use_distributed_optimizer:
+            raise ValueError("Megatron-Core's distributed optimizer supports Adam only: set "
+                             "use_distributed_optimizer=False for optimizer='sgd'")
+        self.pcfg = ParallelConfig(tp=cfg.tp, ep=cfg.ep, pp=cfg.pp)
+        init_parallel(self.pcfg, device=self.device.type, seed=cfg.seed)
+        from megatron.core import parallel_state as ps
+
+        self.ps = ps
+        self.dp = ps.get_data_parallel_world_size()
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.layout = convert.Layout.current()
+        self.tconfig = transformer_config(self.arch, tp=cfg.tp, ep=cfg.ep, pp=cfg.pp, dtype=self.dtype)
+        self.tconfig.calculate_per_token_loss = True
+        model = build_model(self.arch, self.tconfig)
+        if self.device.type == "cuda":
+            model.cuda(torch.cuda.current_device())
+        convert.load_hf_checkpoint(model, self.model_path, self.arch, self.layout)
+        self.model = self._wrap(model)
+        self.optimizer, self.scheduler = self._make_optimizer()
+        self.step_count = 0
+        self.version = 0
+        self._moe_layer_offset = (self.arch.num_layers // cfg.pp) * self.layout.pp_rank
+
+    # ------------------------------------------------------------------------------------------ setup
+
+    def _wrap(self, model):
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+
+        if self.dtype != torch.float32:
+            from megatron.core.transformer.module import Float16Module
+
+            model = Float16Module(self.tconfig, model)
+        ddp_cfg = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=self.cfg.use_distributed_optimizer,
+        )
+        ddp = DistributedDataParallel(config=self.tconfig, ddp_config=ddp_cfg, module=model)
+        self.tconfig.no_sync_func = ddp.no_sync
+        self.tconfig.finalize_model_grads_func = finalize_model_grads
+        return ddp
+
+    def _make_optimizer(self):
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        c = self.cfg
+        ocfg = OptimizerConfig(
+            optimizer=c.optimizer, lr=c.lr, min_lr=c.min_lr, weight_decay=c.weight_decay,
+            adam_beta1=c.adam_beta1, adam_beta2=c.adam_beta2, adam_eps=c.adam_eps, clip_grad=c.clip_grad,
+            bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype,
+            use_distributed_optimizer=c.use_distributed_optimizer,
+        )
+        opt = get_megatron_optimizer(ocfg, [self.model])
+        sched = OptimizerParamScheduler(
+            opt, init_lr=0.0 if c.lr_warmup_steps else c.lr, max_lr=c.lr, min_lr=c.min_lr,
+            lr_warmup_steps=c.lr_warmup_steps, lr_decay_steps=max(c.lr_decay_steps, c.lr_warmup_steps + 1),
+            lr_decay_style=c.lr_decay_style, start_wd=c.weight_decay, end_wd=c.weight_decay,
+            wd_incr_steps=1, wd_incr_style="constant",
+        )
+        return opt, sched
+
+    # ------------------------------------------------------------------------------------------ batches
+
+    def _plan(self, seqs: list[TrainSequence]) -> list[list[int]]:
+        """This DP rank's micro-batches (batch indices); every DP rank gets the same number (EP collectives
+        inside the forward must pair up), padded with empty micro-batches."""
+        lengths = [s.num_inputs for s in seqs]
+        shards = split_for_data_parallel(lengths, self.dp)
+        plans = [[[shard[i] for i in g] for g in plan_micro_batches([lengths[i] for i in shard],
+                                                                     self.cfg.micro_batch_tokens)]
+                 for shard in shards]
+        n = max(1, max(len(p) for p in plans))
+        mine = plans[self.dp_rank]
+        return mine + [[] for _ in range(n - len(mine))]
+
+    _DUMMY = TrainSequence(prompt_ids=np.zeros(1, np.int64), gen_ids=np.zeros(1, np.int64))
+
+    def _micro_batch(self, seqs: list[TrainSequence], index: list[int], use_replay: bool) -> MicroBatch:
+        if not index:  # empty filler: one 1-token row, no generated tokens counted
+            mb = make_micro_batch([self._DUMMY], [0])
+            mb.seq_index, mb.gen_counts = [], []
+            mb.gen_rows, mb.gen_targets = mb.gen_rows[:0], mb.gen_targets[:0]
+            if use_replay:
+                mb.routes = [torch.arange(self.arch.top_k).view(1, -1) for _ in range(self.arch.num_layers)]
+            return mb
+        mb = make_micro_batch(seqs, index)
+        if use_replay:
+            replay.attach_routes(mb, seqs, self.arch.num_layers, self.arch.top_k, self.arch.num_experts)
+        return mb
+
+    def _forward_step(self, loss_of_mb: Callable[[MicroBatch, torch.Tensor], tuple]):
+        """A Megatron forward_step_func over an iterator of MicroBatch."""
+        from megatron_bridge.model import PackedRotary
+
+        dev = self.device
+
+        def step(data_iterator, model):
+            mb: MicroBatch = next(data_iterator)
+            inner = unwrap(model)
+            rot = getattr(inner, "rotary_pos_emb", None)
+            if isinstance(rot, PackedRotary):
+                rot.position_ids = mb.packed.position_ids.to(dev)
+            try:
+                with replay.replaying(mb.routes, self._moe_layer_offset, device=dev):
+                    out = model(input_ids=mb.packed.input_ids.view(1, -1).to(dev),
+                                position_ids=mb.packed.position_ids.view(1, -1).to(dev),
+                                attention_mask=mb.packed.attention_mask().to(dev))
+            finally:
+                if isinstance(rot, PackedRotary):
+                    rot.position_ids = None
+
+            def loss_func(output):
+                return loss_of_mb(mb, output)
+
+            return out, loss_func
+
+        return step
+
+    def _token_stats(self, mb: MicroBatch, output: torch.Tensor, temperature: float):
+        logits = output[0].index_select(0, mb.gen_rows.to(output.device))  # [N, V/tp]
+        tp_group = self.ps.get_tensor_model_parallel_group() if self.cfg.tp > 1 else None
+        return vocab_parallel_logprob_entropy(logits, mb.gen_targets.to(output.device),
+                                              temperature=temperature, tp_group=tp_group)
+
+    def _run(self, mbs: list[MicroBatch], loss_of_mb, forward_only: bool) -> list[dict]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        fb = get_forward_backward_func()
+        seq_len = max(mb.packed.input_ids.numel() for mb in mbs)
+        out = fb(forward_step_func=self._forward_step(loss_of_mb), data_iterator=iter(mbs), model=[self.model],
+                 num_microbatches=len(mbs), seq_length=seq_len, micro_batch_size=1, forward_only=forward_only)
+        return list(out) if out else []
+
+    def _share_results(self, mine: list[dict]) -> list[dict]:
+        """Per-micro-batch results from the last PP stage of every DP rank, on every rank."""
+        ps = self.ps
+        if self.cfg.pp > 1:
+            obj = [mine if ps.is_pipeline_last_stage() else None]
+            dist.broadcast_object_list(obj, src=dist.get_global_rank(ps.get_pipeline_model_parallel_group(),
+                                                                      self.cfg.pp - 1),
+                                       group=ps.get_pipeline_model_parallel_group())
+            mine = obj[0]
+        if self.dp == 1:
+            return mine
+        gathered: list[Any] = [None] * self.dp
+        dist.all_gather_object(gathered, mine, group=ps.get_data_parallel_group())
+        return [r for part in gathered for r in part]
+
+    # ------------------------------------------------------------------------------------------ log-probs
+
+    def _logprobs(self, seqs: list[TrainSequence], use_replay: bool, temperature: float) -> tuple[list, list]:
+        use_replay = use_replay and self.arch.moe
+        plan = self._plan(seqs)
+        mbs = [self._micro_batch(seqs, idx, use_replay) for idx in plan]
+
+        def loss_of_mb(mb, output):
+            lp, ent = self._token_stats(mb, output, temperature)
+            rec = {"seq_index": mb.seq_index, "counts": mb.gen_counts,
+                   "lp": lp.detach().float().cpu(), "ent": ent.detach().float().cpu()}
+            return torch.zeros((), device=output.device), torch.tensor(0, dtype=torch.int), rec
+
+        self.model.eval()
+        with torch.no_grad():
+            results = self._share_results(self._run(mbs, loss_of_mb, forward_only=True))
+        lps: list[Any] = [None] * len(seqs)
+        ents: list[Any] = [None] * len(seqs)
+        for rec in results:
+            for i, a, b in zip(rec["seq_index"], rec["lp"].split(rec["counts"]), rec["ent"].split(rec["counts"]),
+                               strict=True):
+                lps[i], ents[i] = a.numpy(), b.numpy()
+        return lps, ents
+
+    def compute_logprobs(self, batch: Sequence[Any], *, replay: bool | None = None,
+                         temperature: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Log-probs (temperature-scaled, as the engine reports them) and entropies of every generated token,
+        flat float32 in batch order. `replay` defaults to `replay_verify` (this is the verification forward)."""
+        seqs = [as_sequence(s) for s in batch]
+        if not seqs:
+            return np.zeros(0, np.float32), np.zeros(0, np.float32)
+        use_replay = self.cfg.replay_verify if replay is None else replay
+        lps, ents = self._logprobs(seqs, use_replay, self.cfg.temperature if temperature is None else temperature)
+        return np.concatenate(lps).astype(np.float32), np.concatenate(ents).astype(np.float32)
+
+    # ------------------------------------------------------------------------------------------ train
+
+    def train_step(self, batch: Sequence[Any]) -> dict[str, float]:
+        """One optimizer step of the GRPO loss on `batch` (sequences with advantages and rollout log-probs).
+
+        The old log-probs of the ratio are recomputed here, before the step, with the same routing as the
+        training forward, and feed TIS: `w = min(exp(lp_old_train - lp_rollout), C)` (detached).
+        """
+        t0 = time.perf_counter()
+        seqs = [as_sequence(s) for s in batch]
+        if not seqs:
+            raise ValueError("train_step needs at least one sequence")
+        for i, s in enumerate(seqs):
+            if s.advantage is None:
+                raise ValueError(f"sequence {i} has no advantage")
+            if self.cfg.loss.use_tis and s.rollout_logprobs is None:
+                raise ValueError(f"sequence {i} has no rollout log-probs (needed for TIS; set loss.use_tis=False)")
+        temperature = self.cfg.temperature
+        use_replay = self.cfg.replay_train and self.arch.moe
+        old, _ = self._logprobs(seqs, use_replay, temperature)
+        t_old = time.perf_counter() - t0
+
+        self.model.train()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        metrics = self._loss_pass(seqs, old, use_replay, temperature, forward_only=False)
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        ok, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=1)
+        self.step_count += 1
+        metrics.update(self._mismatch(seqs, old))
+        metrics.update(
+            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+            update_ok=float(bool(ok)),
+            lr=lr,
+            step=float(self.step_count),
+            time_old_logprob_s=t_old,
+            time_step_s=time.perf_counter() - t0,
+        )
+        return metrics
+
+    def _loss_pass(self, seqs: list[TrainSequence], old: list, use_replay: bool, temperature: float,
+                   forward_only: bool) -> dict[str, float]:
+        plan = self._plan(seqs)
+        mbs = [self._micro_batch(seqs, idx, use_replay) for idx in plan]
+        for mb in mbs:
+            mb.extras = self._loss_inputs(seqs, mb, old)
+        lcfg = self.cfg.loss
+
+        def loss_of_mb(mb, output):
+            lp, ent = self._token_stats(mb, output, temperature)
+            x = mb.extras
+            dev = lp.device
+            rollout = x["rollout"].to(dev) if x["rollout"] is not None else None
+            terms = policy_loss_terms(lp, x["old"].to(dev), rollout, x["adv"].to(dev), x["mask"].to(dev), lcfg)
+            n = x["mask"].sum()
+            stats = {k: v.detach().float().cpu() for k, v in terms.stats.items()}
+            stats["entropy_sum"] = (ent.detach().float().cpu() * x["mask"]).sum()
+            stats["tokens"] = n.float()
+            return terms.loss_sum, n.to(torch.int).to(dev), stats
+
+        if forward_only:
+            with torch.no_grad():
+                return self._reduce_metrics(self._run(mbs, loss_of_mb, forward_only=True))
+        return self._reduce_metrics(self._run(mbs, loss_of_mb, forward_only=False))
+
+    def loss_on(self, batch: Sequence[Any], old_logprobs: np.ndarray) -> dict[str, float]:
+        """The train-step loss and its statistics on `batch` at the current weights, without a step; the
+        ratio's denominator is `old_logprobs` (flat, as `compute_logprobs` returns them)."""
+        seqs = [as_sequence(s) for s in batch]
+        counts = [s.gen_ids.size for s in seqs]
+        old = np.split(np.asarray(old_logprobs, np.float32), np.cumsum(counts)[:-1])
+        self.model.eval()
+        return self._loss_pass(seqs, old, self.cfg.replay_train and self.arch.moe, self.cfg.temperature,
+                               forward_only=True)
+
+    def _loss_inputs(self, seqs: list[TrainSequence], mb: MicroBatch, old: list) -> dict:
+        adv, mask, rollout, o = [], [], [], []
+        for i in mb.seq_index:
+            s = seqs[i]
+            g = s.gen_ids.size
+            a = np.asarray(s.advantage, dtype=np.float32)
+            adv.append(np.broadcast_to(a, (g,)) if a.ndim == 0 else a.reshape(g))
+            mask.append(np.ones(g, np.float32) if s.loss_mask is None else np.asarray(s.loss_mask, np.float32))
+            rollout.append(np.asarray(s.rollout_logprobs, np.float32) if s.rollout_logprobs is not None
+                           else np.zeros(g, np.float32))
+            o.append(old[i])
+        cat = (lambda xs: torch.from_numpy(np.concatenate(xs).astype(np.float32))) if mb.seq_index else \
+            (lambda xs: torch.zeros(0))
+        return {"adv": cat(adv), "mask": cat(mask), "old": cat(o),
+                "rollout": cat(rollout) if self.cfg.loss.use_tis else None}
+
+    def _reduce_metrics(self, results: list[dict]) -> dict[str, float]:
+        """Sum the per-micro-batch sums over micro-batches and DP ranks (last PP stage), then token-mean."""
+        keys = sorted({k for r in results for k in r})
+        local = torch.tensor([[float(r.get(k, 0.0)) for k in keys] for r in results]).sum(0) if results else \
+            torch.zeros(len(keys))
+        shared = self._share_results([{"keys": keys, "vals": local}])
+        total: dict[str, float] = {}
+        for rec in shared:
+            for k, v in zip(rec["keys"], rec["vals"].tolist(), strict=True):
+                total[k] = total.get(k, 0.0) + v
+        n = max(total.pop("tokens", 0.0), 1.0)
+        out = {"tokens": n}
+        for k, v in total.items():
+            name = k[:-4] if k.endswith("_sum") else k
+            out[name] = v / n
+        return out
+
+    def _mismatch(self, seqs: list[TrainSequence], old: list) -> dict[str, float]:
+        """Trainer/engine log-prob mismatch on the recomputed old log-probs (same weights as the engine had)."""
+        diffs = [old[i] - np.asarray(s.rollout_logprobs, np.float32) for i, s in enumerate(seqs)
+                 if s.rollout_logprobs is not None]
+        if not diffs:
+            return {}
+        d = np.concatenate(diffs).astype(np.float64)
+        return {"mismatch_abs_mean": float(np.abs(d).mean()), "mismatch_abs_max": float(np.abs(d).max()),
+                "mismatch_ops_mean": float(np.abs(np.expm1(d)).mean())}
+
+    # ------------------------------------------------------------------------------------------ export / sync
+
+    def iter_hf_tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) one at a time, on every rank (collective: all ranks iterate together)."""
+        return convert.iter_hf_tensors(self.model, self.arch, self.layout, dtype=dtype)
+
+    def export_hf_state(self, out_dir: str | os.PathLike | None = None, dtype: torch.dtype | None = None):
+        """Write an HF checkpoint folder (config, tokenizer files copied, safetensors) on rank 0; returns its
+        path. Without `out_dir`, returns the state as a dict of CPU tensors (small models, tests)."""
+        if out_dir is None:
+            return {k: v.detach().cpu().clone() for k, v in self.iter_hf_tensors(dtype)}
+        from megatron_bridge.weight_sync import DiskSink, sync
+
+        sink = DiskSink(out_dir, self.model_path) if self.is_driver else None
+        sync(self.iter_hf_tensors(dtype), sink, self.version, is_driver=self.is_driver)
+        return Path(out_dir)
+
+    @property
+    def is_driver(self) -> bool:
+        return not dist.is_initialized() or dist.get_rank() == 0
+
+    def sync_weights(self, sink, version: int | None = None, bucket_bytes: int = 64 << 20,
+                     dtype: torch.dtype | None = None) -> dict[str, float]:
+        """Push the weights in HF naming to `sink` (rank 0 only; other ranks join the collectives) in buckets
+        of about `bucket_bytes`, tagged with `version` (default: the trainer's step count)."""
+        from megatron_bridge.weight_sync import sync
+
+        self.version = self.step_count if version is None else int(version)
+        return sync(self.iter_hf_tensors(dtype), sink if self.is_driver else None, self.version,
+                    bucket_bytes=bucket_bytes, is_driver=self.is_driver)
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self, ckpt_dir: str | os.PathLike) -> Path:
+        """Per-rank model shard, optimizer and scheduler state (reload needs the same parallel layout; for a
+        layout-free copy of the weights use `export_hf_state`)."""
+        d = Path(ckpt_dir)
+        d.mkdir(parents=True, exist_ok=True)
+        rank = dist.get_rank()
+        model = unwrap(self.model)
+        torch.save({"model": {k: v.detach().cpu() for k, v in model.state_dict().items()
+                              if isinstance(v, torch.Tensor)},
+                    "optimizer": [_inner_state(o) for o in self._optimizers()],
+                    "scheduler": self.scheduler.state_dict(),
+                    "step": self.step_count, "version": self.version}, d / f"rank{rank:05d}.pt")
+        if rank == 0:
+            meta = {"world_size": dist.get_world_size(), "parallel": asdict(self.pcfg),
+                    "arch": asdict(self.arch), "model_path": str(self.model_path)}
+            (d / "rollverify_trainer.json").write_text(json.dumps(meta, indent=1) + "\n")
+        dist.barrier()
+        return d
+
+    def load_checkpoint(self, ckpt_dir: str | os.PathLike) -> None:
+        d = Path(ckpt_dir)
+        meta = json.loads((d / "rollverify_trainer.json").read_text())
+        if meta["world_size"] != dist.get_world_size() or meta["parallel"] != asdict(self.pcfg):
+            raise ValueError(f"checkpoint {d} was written with world size {meta['world_size']} and "
+                             f"{meta['parallel']}; this trainer runs {dist.get_world_size()} / {asdict(self.pcfg)}")
+        rank = dist.get_rank()
+        state = torch.load(d / f"rank{rank:05d}.pt", weights_only=False)
+        model = unwrap(self.model)
+        with torch.no_grad():
+            params = dict(model.named_parameters())
+            for k, v in state["model"].items():
+                if k in params:
+                    params[k].copy_(v)
+        opts = self._optimizers()
+        if len(opts) != len(state["optimizer"]):
+            raise ValueError(f"checkpoint has {len(state['optimizer'])} optimizer parts, this trainer {len(opts)}")
+        for o, saved in zip(opts, state["optimizer"], strict=True):
+            _load_inner_state(o, saved)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step_count, self.version = state["step"], state["version"]
+
+    def _optimizers(self) -> list:
+        """The Megatron optimizers (one, or the dense and expert parts of a ChainedOptimizer)."""
+        return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
+
+    def close(self) -> None:
+        from megatron_bridge.parallel import destroy_parallel
+
+        destroy_parallel()
+
+
+def _inner_state(opt) -> dict:
+    """This rank's optimizer shard: the torch optimizer's state and its (fp32 main) parameters.
+
+    Megatron-Core's own parameter-state save expects its fused Adam's state layout; the torch Adam it falls
+    back to without TE/apex keeps a `step` entry that format drops, so the trainer saves the inner optimizer
+    as torch does, per rank (reload needs the same layout)."""
+    inner = opt.optimizer
+    if inner is None:
+        return {"state": None, "main": []}
+    return {"state": inner.state_dict(),
+            "main": [p.detach().cpu().clone() for g in inner.param_groups for p in g["params"]]}
+
+
+def _load_inner_state(opt, saved: dict) -> None:
+    inner = opt.optimizer
+    if inner is None:
+        return
+    params = [p for g in inner.param_groups for p in g["params"]]
+    if len(params) != len(saved["main"]) or any(p.shape != q.shape for p, q in zip(params, saved["main"],
+                                                                                   strict=True)):
+        raise ValueError("optimizer checkpoint does not match this trainer's parameter shards")
+    with torch.no_grad():  # fp32 main params may be views of the (grad-requiring) model params
+        for p, q in zip(params, saved["main"], strict=True):
+            p.copy_(q)
+    inner.load_state_dict(saved["state"])
+
+
+# ---------------------------------------------------------------------------------------------- loss
+
+
+@dataclass
+class LossTerms:
+    loss_sum: torch.Tensor  # sum over valid tokens of the weighted clipped surrogate (differentiable)
+    stats: dict[str, torch.Tensor]  # sums over valid tokens (divided by the token count for metrics)
+
+
+def policy_loss_terms(lp: torch.Tensor, old_lp: torch.Tensor, rollout_lp: torch.Tensor | None,
+                      adv: torch.Tensor, mask: torch.Tensor, cfg: LossConfig) -> LossTerms:
+    """Per-token GRPO surrogate summed over valid tokens, via the algorithm core's `rollverify.losses`."""
+    from megatron_bridge import policy_loss
+
+    return policy_loss.terms(lp, old_lp, rollout_lp, adv, mask, cfg)
+

@@ -1,0 +1,184 @@
+"""MegatronTrainer: ComputeProb against transformers, the GRPO step, metrics, checkpoints, TP/PP/EP = 2 steps."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+from megatron_fixtures import MARKS, fixed_sequences, hf_token_logprobs, tiny_path
+
+pytestmark = MARKS
+
+ADV = [1.0, -1.0, 0.5, -0.5, 0.25, -0.25]
+
+
+def _trainer(path, **kw):
+    from megatron_bridge.trainer import MegatronTrainer, TrainerConfig
+
+    kw.setdefault("micro_batch_tokens", 24)
+    return MegatronTrainer(path, TrainerConfig(**kw))
+
+
+def _rl_batch(path, n=4, moe=False, shift=0.0):
+    """Sequences with engine-stand-in log-probs (transformers, same weights), routes (MoE) and advantages."""
+    seqs = fixed_sequences(n)
+    lps, routes = hf_token_logprobs(path, seqs, with_routes=moe)
+    for i, s in enumerate(seqs):
+        s.rollout_logprobs = lps[i] - shift
+        s.advantage = ADV[i]
+        if moe:
+            s.routed_experts = routes[i]
+    return seqs
+
+
+@pytest.fixture(scope="module")
+def dense():
+    return _trainer(tiny_path(), lr=1e-2)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_compute_logprobs_matches_transformers(dense, temperature):
+    seqs = fixed_sequences(5)
+    lp, ent = dense.compute_logprobs(seqs, temperature=temperature)
+    ref, _ = hf_token_logprobs(tiny_path(), seqs, temperature=temperature)
+    ref = np.concatenate(ref)
+    assert lp.dtype == np.float32 and lp.shape == ref.shape == (sum(s.gen_ids.size for s in seqs),)
+    assert np.abs(lp - ref).max() < 1e-4
+    assert np.all(ent > 0) and np.all(ent <= np.log(128) + 1e-4)
+    # micro-batching by token budget changes nothing
+    dense.cfg.micro_batch_tokens = 10_000
+    try:
+        lp_one, ent_one = dense.compute_logprobs(seqs, temperature=temperature)
+    finally:
+        dense.cfg.micro_batch_tokens = 24
+    assert np.abs(lp_one - lp).max() < 1e-5 and np.abs(ent_one - ent).max() < 1e-5
+
+
+def test_entropy_is_that_of_the_tempered_distribution(dense):
+    from transformers import AutoModelForCausalLM
+
+    seqs = fixed_sequences(1)
+    _, ent = dense.compute_logprobs(seqs, temperature=0.7)
+    s = seqs[0]
+    hf = AutoModelForCausalLM.from_pretrained(tiny_path(), dtype=torch.float32).eval()
+    ids = torch.from_numpy(np.concatenate([s.prompt_ids, s.gen_ids])[:-1]).view(1, -1)
+    with torch.no_grad():
+        logp = torch.log_softmax(hf(ids).logits[0] / 0.7, -1)[s.prompt_ids.size - 1:]
+    ref = -(logp.exp() * logp).sum(-1).numpy()
+    assert np.abs(ent - ref).max() < 1e-4
+
+
+def test_grpo_step_lowers_the_loss_and_reports_metrics():
+    trainer = _trainer(tiny_path(), lr=1e-2)
+    seqs = _rl_batch(tiny_path(), shift=0.1)  # engine 0.1 nats below the trainer on every token
+    old, _ = trainer.compute_logprobs(seqs, replay=True)
+    before = trainer.loss_on(seqs, old)
+    m = trainer.train_step(seqs)
+    after = trainer.loss_on(seqs, old)
+    assert after["loss"] < before["loss"] - 1e-3, (before["loss"], after["loss"])
+    assert abs(m["loss"] - before["loss"]) < 1e-6  # the step's loss is the loss at the old weights
+    for key in ("loss", "grad_norm", "entropy", "clipfrac_low", "clipfrac_high", "clipfrac_dual", "tis_weight",
+                "tis_clipfrac", "mismatch_abs_mean", "mismatch_ops_mean", "lr", "tokens"):
+        assert np.isfinite(m[key]), key
+    assert m["tokens"] == sum(s.gen_ids.size for s in seqs) and m["lr"] == pytest.approx(1e-2)
+    # the recomputed old log-prob equals the current one at the first (only) micro-step: ratio 1, no clipping
+    assert m["ratio"] == pytest.approx(1.0, abs=1e-6) and m["clipfrac_low"] == m["clipfrac_high"] == 0.0
+    # TIS: w = min(exp(lp_old_train - lp_rollout), 2) = exp(0.1); mismatch |0.1|
+    assert m["tis_weight"] == pytest.approx(np.exp(0.1), abs=1e-4) and m["tis_clipfrac"] == 0.0
+    assert m["mismatch_abs_mean"] == pytest.approx(0.1, abs=1e-4)
+    assert m["mismatch_ops_mean"] == pytest.approx(np.expm1(0.1), abs=1e-4)
+    assert m["grad_norm"] > 0 and m["entropy"] > 0
+    trainer.close()
+
+
+def test_loss_normalises_by_tokens_not_by_weights():
+    """Token-mean over the mini-batch: doubling every advantage doubles the loss; micro-batching is invisible."""
+    trainer = _trainer(tiny_path(), micro_batch_tokens=12)
+    seqs = _rl_batch(tiny_path(), shift=1.0)  # w = exp(1) clipped at 2 on every token
+    old, _ = trainer.compute_logprobs(seqs)
+    a = trainer.loss_on(seqs, old)
+    trainer.cfg.micro_batch_tokens = 10_000
+    b = trainer.loss_on(seqs, old)
+    assert a["loss"] == pytest.approx(b["loss"], abs=1e-6) and a["tis_clipfrac"] == 1.0
+    n = sum(s.gen_ids.size for s in seqs)
+    expected = sum(-s.advantage * 2.0 * s.gen_ids.size for s in seqs) / n
+    assert a["loss"] == pytest.approx(expected, abs=1e-5)
+    trainer.close()
+
+
+def test_train_step_rejects_incomplete_batches(dense):
+    seqs = fixed_sequences(2)
+    with pytest.raises(ValueError, match="no advantage"):
+        dense.train_step(seqs)
+    seqs[0].advantage = seqs[1].advantage = 1.0
+    with pytest.raises(ValueError, match="rollout log-probs"):
+        dense.train_step(seqs)
+
+
+def test_checkpoint_round_trip(tmp_path):
+    trainer = _trainer(tiny_path(), lr=1e-2)
+    seqs = _rl_batch(tiny_path())
+    trainer.train_step(seqs)
+    saved = trainer.export_hf_state()
+    trainer.save_checkpoint(tmp_path / "ckpt")
+    m_next = trainer.train_step(seqs)
+    after_next = trainer.export_hf_state()
+    trainer.load_checkpoint(tmp_path / "ckpt")
+    assert all(torch.equal(v, trainer.export_hf_state()[k]) for k, v in saved.items())
+    m_again = trainer.train_step(seqs)  # optimizer moments and LR schedule came back too
+    assert m_again["loss"] == pytest.approx(m_next["loss"], abs=1e-7)
+    assert m_again["step"] == m_next["step"]
+    again = trainer.export_hf_state()
+    assert max((again[k] - after_next[k]).abs().max().item() for k in again) < 1e-6
+    trainer.close()
+
+
+# ------------------------------------------------------------------------------------ world size 2
+
+
+def _sgd(**kw):
+    # SGD: the update is linear in the gradient, so a 2-rank step equals the 1-rank step to float noise
+    # (Adam's first step is ~lr * sign(g), which amplifies 1e-9 noise on near-zero gradients)
+    # (Megatron-Core's distributed optimizer is Adam-only; the stack tests cover it at world size 2)
+    return dict(lr=0.5, optimizer="sgd", use_distributed_optimizer=False, micro_batch_tokens=24, **kw)
+
+
+@functools.cache
+def _single(moe: bool, tied: bool) -> dict:
+    path = tiny_path(moe=moe, tie_word_embeddings=tied)
+    seqs = _rl_batch(path, moe=moe, shift=0.05)
+    trainer = _trainer(path, **_sgd())
+    lp, ent = trainer.compute_logprobs(seqs, replay=moe)
+    before = trainer.export_hf_state()
+    m = trainer.train_step(seqs)
+    out = {"lp": lp, "ent": ent, "metrics": m, "before": before, "after": trainer.export_hf_state(),
+           "lp_after": trainer.compute_logprobs(seqs, replay=moe)[0], "seqs": seqs}
+    trainer.close()
+    return out
+
+
+@pytest.mark.parametrize(("layout", "moe", "tied"), [(dict(tp=2), False, False), (dict(pp=2), False, True),
+                                                     (dict(ep=2), True, False)],
+                         ids=["tp2-dense", "pp2-tied", "ep2-moe-replay"])
+def test_world_size_2_step_equals_single_process_step(layout, moe, tied):
+    from megatron_bridge.spawned import SpawnedTrainer
+    from megatron_bridge.trainer import TrainerConfig
+
+    ref = _single(moe, tied)
+    path = tiny_path(moe=moe, tie_word_embeddings=tied)
+    seqs = ref["seqs"]
+    with SpawnedTrainer(path, TrainerConfig(**_sgd(**layout)), world_size=2, timeout_s=240) as tr:
+        lp, ent = tr.compute_logprobs(seqs, replay=moe)
+        before = tr.export_hf_state()
+        m = tr.train_step(seqs)
+        after = tr.export_hf_state()
+        lp_after, _ = tr.compute_logprobs(seqs, replay=moe)
+    assert np.abs(lp - ref["lp"]).max() < 1e-5 and np.abs(ent - ref["ent"]).max() < 1e-5
+    assert all(torch.equal(before[k], ref["before"][k]) for k in ref["before"])  # bit-exact export, sharded
+    for key in ("loss", "grad_norm", "entropy", "tis_weight", "mismatch_abs_mean", "tokens"):
+        assert m[key] == pytest.approx(ref["metrics"][key], rel=1e-5, abs=1e-6), key
+    assert max((after[k] - ref["after"][k]).abs().max().item() for k in after) < 1e-5
+    assert np.abs(lp_after - ref["lp_after"]).max() < 1e-4
+    assert np.abs(lp_after - lp).max() > 1e-3  # the step did move the policy
