@@ -1,0 +1,117 @@
+"""RolloutBuffer: group completion order, carry-over, truncation, resume requests, pickle-free checkpoints."""
+
+from __future__ import annotations
+
+import json
+import zipfile
+
+import numpy as np
+import pytest
+
+from rollverify.buffer import RolloutBuffer
+from rollverify.types import Group
+
+
+def filled_buffer():
+    """Groups 0..2 of n=2, budget 8. Group 1 finishes first, then group 0; group 2 stays partial."""
+    b = RolloutBuffer()
+    for g in range(3):
+        b.add_group(Group.new(g, [100 + g, 7], n=2, max_new_tokens=8, label=str(g)))
+    b.record("1-0", [1, 2], [-0.1, -0.2], 0, finish_reason="stop")
+    b.record("0-0", [1], [-0.1], 0, finish_reason="length")
+    assert b.record("1-1", [3], [-0.3], 0, finish_reason="stop")  # completes group 1
+    assert not b.record("0-1", [4, 5], [-0.1, -0.1], 0)  # paused
+    assert b.record("0-1", [6], [-0.1], 1, finish_reason="stop")  # resumed under v1, completes group 0
+    b.record("2-0", [1, 2, 3], [-0.1, -0.1, -0.1], 1)  # paused mid-generation
+    return b
+
+
+def test_finished_groups_leave_in_completion_order():
+    b = filled_buffer()
+    assert b.num_finished == 2
+    batch = b.pop_finished(1)
+    assert [g.group_id for g in batch] == [1]
+    assert [g.group_id for g in b.pop_finished()] == [0]
+    assert list(b.groups) == [2] and b.num_finished == 0
+
+
+def test_carried_over_are_all_responses_with_tokens_left_behind():
+    b = filled_buffer()
+    b.pop_finished(1)  # group 1 trains; group 0 is finished but left for the next step
+    ids = [r.response_id for r in b.carried_over()]
+    assert ids == ["0-0", "0-1", "2-0"]
+    assert b.staleness(2) == {"0-0": 2, "0-1": 2, "2-0": 1}
+    stats = b.stats(2)
+    assert stats["carried_responses"] == 3 and stats["carried_tokens"] == 1 + 3 + 3
+    assert stats["staleness_max"] == 2 and stats["finished_groups"] == 1
+
+
+def test_truncation_reopens_a_finished_group():
+    b = filled_buffer()
+    b.pop_finished(1)
+    cut = b.apply_truncation({"0-1": 2, "2-0": 0, "0-0": 1})
+    assert cut == 1 + 3
+    assert b.num_finished == 0  # 0-1 lost a token: group 0 is no longer complete
+    r = b.get("0-1")
+    assert r.token_ids.tolist() == [4, 5] and not r.finished and r.remaining_budget == 6
+    assert b.get("0-0").finished  # kept whole: stays finished
+
+
+def test_pending_resumes_continuations_first_with_remaining_budget():
+    b = filled_buffer()
+    b.pop_finished()
+    b.apply_truncation({"2-0": 2})
+    reqs = b.pending()
+    assert [(q.response_id, q.resumed, q.max_new_tokens) for q in reqs] == [("2-0", True, 6), ("2-1", False, 8)]
+    assert reqs[0].input_ids.tolist() == [102, 7, 1, 2]
+    assert reqs[1].input_ids.tolist() == [102, 7]
+
+
+def test_lookup_and_duplicate_errors():
+    b = filled_buffer()
+    with pytest.raises(KeyError, match="no response '9-0'"):
+        b.get("9-0")
+    with pytest.raises(KeyError, match="no response 'x'"):
+        b.get("x")
+    with pytest.raises(ValueError, match="group 0 is already in the buffer"):
+        b.add_group(Group.new(0, [1], 1, 4))
+
+
+def assert_same(a: RolloutBuffer, b: RolloutBuffer):
+    assert list(a.groups) == list(b.groups) and a.completed == b.completed
+    for ga, gb in zip(a.groups.values(), b.groups.values(), strict=True):
+        assert ga.n == gb.n and ga.metadata == gb.metadata and ga.prompt_ids.tolist() == gb.prompt_ids.tolist()
+        for ra, rb in zip(ga.responses, gb.responses, strict=True):
+            for name in ("token_ids", "logprobs", "versions", "routed_experts"):
+                x, y = getattr(ra, name), getattr(rb, name)
+                assert (x is None and y is None) or (x.dtype == y.dtype and np.array_equal(x, y))
+            assert (ra.finished, ra.finish_reason, ra.reward, ra.max_new_tokens) == (
+                rb.finished, rb.finish_reason, rb.reward, rb.max_new_tokens
+            )
+
+
+def test_checkpoint_round_trip_without_pickle(tmp_path):
+    b = filled_buffer()
+    g = Group.new(5, [1], n=1, max_new_tokens=4)
+    b.add_group(g)
+    b.record("5-0", [9, 9], [-0.5, -0.25], [2, 3], np.arange(2 * 3 * 2).reshape(2, 3, 2))
+    b.get("1-0").reward = 1.0
+    meta, arrays = b.to_state()
+    json.dumps(meta)  # JSON-able
+    assert all(isinstance(a, np.ndarray) for a in arrays.values())
+    assert_same(b, RolloutBuffer.from_state(meta, arrays))
+
+    path = tmp_path / "buffer.npz"
+    b.save(path)
+    with zipfile.ZipFile(path) as z:  # plain .npy members only
+        assert all(n.endswith(".npy") for n in z.namelist())
+    restored = RolloutBuffer.load(path)
+    assert_same(b, restored)
+    assert [g.group_id for g in restored.pop_finished()] == [1, 0]
+
+
+def test_checkpoint_rejects_non_json_metadata():
+    b = RolloutBuffer()
+    b.add_group(Group.new(0, [1], 1, 4, label=object()))
+    with pytest.raises(ValueError, match="group 0 metadata must be JSON-able"):
+        b.to_state()
