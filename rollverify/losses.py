@@ -1,0 +1,246 @@
+"""GRPO advantages and policy losses over per-token tensors with a validity mask.
+
+The main objective (the paper's setup; VeRL's conventions where it is silent):
+
+    r   = exp(lp - lp_old)                          lp_old: recomputed by the trainer before the step
+    l   = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))          decoupled clipping
+    l   = min(l, -A c)            where A < 0                         dual clip (c = inf: off)
+    w   = min(exp(lp_old - lp_rollout), C), detached                  truncated importance sampling
+    L   = sum(w l over valid tokens) / num_valid_tokens               token-mean
+
+``num_valid_tokens`` is the valid-token count of the whole mini-batch (every micro-batch, every data-parallel
+rank), so that summing the micro-batch gradients gives the mini-batch mean; it is never the sum of weights.
+GSPO and SAPO are the loss-level alternatives. All math runs in float32 (float64 stays float64), so bf16
+inputs are safe; masked positions may hold any value, even NaN.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+
+def grpo_advantages(rewards: Tensor, use_std: bool = True, eps: float = 1e-6) -> Tensor:
+    """Group-normalised advantages for rewards [groups, n]: A = (r - mean) / (std + eps) per group.
+
+    std is the unbiased one; ``use_std=False`` keeps only r - mean (Dr. GRPO). As in VeRL, a group of one
+    response uses mean 0 and std 1.
+    """
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must be [groups, n], got shape {tuple(rewards.shape)}")
+    r = rewards.to(_compute_dtype(rewards))
+    if not bool(torch.isfinite(r).all()):
+        raise ValueError("rewards must be finite (every response of a group needs its reward)")
+    if r.shape[1] == 1:
+        mean, std = torch.zeros_like(r), torch.ones_like(r)
+    else:
+        mean, std = r.mean(1, keepdim=True), r.std(1, keepdim=True)
+    return (r - mean) / (std + eps) if use_std else r - mean
+
+
+def expand_to_tokens(values: Tensor, lengths: Tensor) -> Tensor:
+    """Per-response values [R] -> per-token [N] for packed responses of the given lengths."""
+    return torch.repeat_interleave(values, lengths.to(values.device))
+
+
+def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """Mean of x over mask (0 when the mask is empty)."""
+    m = mask.to(x.dtype)
+    return (x * m).sum() / m.sum().clamp(min=1)
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy of softmax(logits) over the last dim: H = logsumexp(z) - sum softmax(z) z (float32).
+
+    Logits of -inf (masked vocabulary) have probability 0 and add nothing.
+    """
+    z = logits.to(_compute_dtype(logits))
+    p = torch.softmax(z, -1)
+    return torch.logsumexp(z, -1) - (p * torch.where(p > 0, z, 0.0)).sum(-1)
+
+
+def ppo_tis_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    rollout_logprobs: Tensor | None,
+    advantages: Tensor,
+    mask: Tensor,
+    eps_low: float = 0.2,
+    eps_high: float = 0.3,
+    dual_clip_c: float = 3.0,
+    tis_cap: float = 2.0,
+    num_valid_tokens: int | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Token-level PPO surrogate with decoupled and dual clipping, TIS-weighted, token-mean (module doc).
+
+    Tensors share one shape (e.g. packed [N] or padded [B, T]); ``rollout_logprobs=None`` skips TIS.
+    Returns (loss, detached metrics).
+    """
+    if not dual_clip_c > 1:
+        raise ValueError(f"dual_clip_c must be > 1 (inf turns it off), got {dual_clip_c!r}")
+    lp, old, adv, valid = _prepare(logprobs, old_logprobs, advantages, mask)
+    log_ratio = (lp - old).clamp(-20.0, 20.0)  # VeRL's bound: keeps exp finite for garbage inputs
+    ratio = torch.exp(log_ratio)
+    loss_unclipped = -adv * ratio
+    loss_clipped = -adv * ratio.clamp(1 - eps_low, 1 + eps_high)
+    loss = torch.maximum(loss_unclipped, loss_clipped)
+    if dual_clip_c < math.inf:
+        loss = torch.where(adv < 0, torch.minimum(loss, -adv * dual_clip_c), loss)
+    w, metrics = _tis(old, rollout_logprobs, valid, tis_cap)
+    total = torch.where(valid, w * loss, 0.0).sum() / _count(num_valid_tokens, valid)
+    with torch.no_grad():
+        metrics |= {
+            "pg_loss": total.detach(),
+            "clip_frac_high": masked_mean(((adv > 0) & (ratio > 1 + eps_high)).to(lp.dtype), valid),
+            "clip_frac_low": masked_mean(((adv < 0) & (ratio < 1 - eps_low)).to(lp.dtype), valid),
+            "dual_clip_frac": masked_mean(((adv < 0) & (ratio > dual_clip_c)).to(lp.dtype), valid),
+            "ratio_mean": masked_mean(ratio, valid),
+            "approx_kl": masked_mean(-log_ratio, valid),
+        }
+    return total, metrics
+
+
+def gspo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    eps_low: float = 3e-4,
+    eps_high: float = 4e-4,
+    rollout_logprobs: Tensor | None = None,
+    tis_cap: float = 2.0,
+    num_valid_seqs: int | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO (Zheng et al. 2025) in its GSPO-token form, on padded [B, T] tensors:
+
+        s_i    = exp(mean_t (lp - lp_old))                      sequence ratio, length-normalised
+        s_i,t  = sg[s_i] exp(lp_t - sg[lp_t])                   value s_i, gradient of s_i per token
+        l_i,t  = max(-A s_i,t, -A clip(s_i,t, 1 - eps_low, 1 + eps_high))
+        L      = sum_i mean_t (w_i l_i,t) / num_valid_seqs      (sequence-mean of token-means)
+
+    TIS, when given rollout log-probs, is sequence-level too: w_i = min(exp(mean_t(lp_old - lp_rollout)), C),
+    so that the GSPO-token gradient stays the gradient of the sequence objective.
+    """
+    if logprobs.dim() != 2:
+        raise ValueError(f"gspo_loss needs padded [batch, tokens] tensors, got shape {tuple(logprobs.shape)}")
+    lp, old, adv, valid = _prepare(logprobs, old_logprobs, advantages, mask)
+    m = valid.to(lp.dtype)
+    seq_len = m.sum(-1)
+    seq_log_ratio = ((lp - old) * m).sum(-1) / seq_len.clamp(min=1)
+    log_s = (lp - lp.detach() + seq_log_ratio.detach().unsqueeze(-1)).clamp(max=10.0)
+    s = torch.exp(log_s)
+    loss = torch.maximum(-adv * s, -adv * s.clamp(1 - eps_low, 1 + eps_high))
+    w, metrics = _tis(old, rollout_logprobs, valid, tis_cap, per_sequence=True)
+    per_seq = torch.where(valid, w * loss, 0.0).sum(-1) / seq_len.clamp(min=1)
+    total = per_seq.sum() / _count(num_valid_seqs, seq_len > 0)
+    with torch.no_grad():
+        clipped = ((adv > 0) & (s > 1 + eps_high)) | ((adv < 0) & (s < 1 - eps_low))
+        metrics |= {
+            "pg_loss": total.detach(),
+            "clip_frac": masked_mean(clipped.to(lp.dtype), valid),
+            "seq_ratio_mean": masked_mean(torch.exp(seq_log_ratio), seq_len > 0),
+        }
+    return total, metrics
+
+
+def sapo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+    rollout_logprobs: Tensor | None = None,
+    tis_cap: float = 2.0,
+    num_valid_tokens: int | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """SAPO (Gao et al. 2025): a soft, temperature-controlled gate instead of the hard clip.
+
+        r = exp(lp - lp_old);  tau = tau_pos if A > 0 else tau_neg
+        f(r) = 4/tau sigmoid(tau (r - 1))         f'(1) = 1: the plain policy gradient on-policy
+        L = -sum(w f(r) A over valid tokens) / num_valid_tokens
+    """
+    lp, old, adv, valid = _prepare(logprobs, old_logprobs, advantages, mask)
+    ratio = torch.exp((lp - old).clamp(-20.0, 20.0))
+    tau = torch.where(adv > 0, tau_pos, tau_neg).to(lp.dtype)
+    gate = 4.0 / tau * torch.sigmoid(tau * (ratio - 1))
+    w, metrics = _tis(old, rollout_logprobs, valid, tis_cap)
+    total = torch.where(valid, -w * gate * adv, 0.0).sum() / _count(num_valid_tokens, valid)
+    with torch.no_grad():
+        p = torch.sigmoid(tau * (ratio - 1))
+        metrics |= {
+            "pg_loss": total.detach(),
+            "ratio_mean": masked_mean(ratio, valid),
+            "gate_grad_weight_mean": masked_mean(4 * p * (1 - p), valid),  # 1 on-policy, -> 0 far off
+        }
+    return total, metrics
+
+
+# --- helpers ----------------------------------------------------------------------------------------------
+
+
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _prepare(lp: Tensor, old: Tensor, adv: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Cast to the compute dtype, broadcast [B] advantages, and zero masked positions (no NaN leaks)."""
+    if old.shape != lp.shape:
+        raise ValueError(f"old_logprobs must be shaped like logprobs {tuple(lp.shape)}, got {tuple(old.shape)}")
+    if mask.shape != lp.shape:
+        raise ValueError(f"mask must be shaped like logprobs {tuple(lp.shape)}, got {tuple(mask.shape)}")
+    if adv.shape != lp.shape:
+        if lp.dim() == 2 and adv.shape == lp.shape[:1]:
+            adv = adv.unsqueeze(-1).expand_as(lp)
+        else:
+            raise ValueError(
+                f"advantages must be per token {tuple(lp.shape)} or per sequence {tuple(lp.shape[:1])}, "
+                f"got {tuple(adv.shape)}"
+            )
+    dtype = _compute_dtype(lp)
+    valid = mask.bool()
+    zero = torch.zeros((), dtype=dtype, device=lp.device)
+    return (
+        torch.where(valid, lp.to(dtype), zero),
+        torch.where(valid, old.to(dtype), zero).detach(),
+        torch.where(valid, adv.to(dtype), zero).detach(),
+        valid,
+    )
+
+
+def _tis(
+    old: Tensor, rollout: Tensor | None, valid: Tensor, cap: float, per_sequence: bool = False
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """TIS weights w = min(exp(lp_old - lp_rollout), C), detached, and their statistics.
+
+    ``per_sequence``: one weight per row from the mean log gap (GSPO's sequence-level ratio).
+    """
+    if rollout is None:
+        return torch.ones_like(old), {}
+    if rollout.shape != old.shape:
+        raise ValueError(f"rollout_logprobs must be shaped like logprobs {tuple(old.shape)}, got {tuple(rollout.shape)}")
+    if not cap > 0:
+        raise ValueError(f"tis_cap must be > 0 (inf: no truncation), got {cap!r}")
+    with torch.no_grad():
+        log_w = torch.where(valid, old - rollout.to(old.dtype), 0.0)
+        if per_sequence:
+            m = valid.to(old.dtype)
+            log_w = ((log_w * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)).expand_as(old)
+        w = torch.exp(log_w.clamp(max=math.log(cap) if cap < math.inf else 20.0))
+        w = torch.where(valid, w, 0.0)
+        metrics = {
+            "tis_weight_mean": masked_mean(w, valid),
+            "tis_weight_max": w.max() if w.numel() else torch.zeros(()),
+            "tis_frac_capped": masked_mean((log_w >= math.log(cap)).to(old.dtype), valid),
+        }
+    return w, metrics
+
+
+def _count(given: int | None, valid: Tensor) -> float | Tensor:
+    if given is None:
+        return valid.sum().clamp(min=1)
+    if given < 1:
+        raise ValueError(f"the global valid count must be >= 1, got {given}")
+    return float(given)
