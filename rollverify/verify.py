@@ -21,6 +21,7 @@ reaches d_t (D >= 0, so a row holding a token >= d_t has a row sum >= d_t).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +32,7 @@ ROW = 64  # tokens per row of the two-level sum
 CPU_BLOCK = 1 << 18  # tokens per streamed block on CPU (~1 MiB of float32: stays in L2)
 
 TensorLike = Tensor | np.ndarray
+Fill = Callable[[int, int, Tensor], None]  # fill(s, e, out): write D of tokens [s, e) into out
 
 
 @dataclass
@@ -147,41 +149,17 @@ def two_stage_verify_ops(
 # --- the algorithm ----------------------------------------------------------------------------------------
 
 
-def _verify(fill, versions: Tensor, lengths: Tensor, d_s: float, d_t: float, block: int) -> VerifyResult:
-    """Both stages. ``fill(s, e, out)`` writes D of tokens [s, e) into ``out``."""
-    n, device = versions.shape[0], versions.device
+def _verify(fill: Fill, versions: Tensor, lengths: Tensor, d_s: float, d_t: float, block: int) -> VerifyResult:
+    """Both stages, on D streamed in by ``fill``."""
+    n = versions.shape[0]
     ends = torch.cumsum(lengths, 0)
     offsets = ends - lengths
     starts = _segment_starts(versions, offsets[lengths > 0])
     seg_len = torch.diff(starts, append=starts.new_tensor([n]))
     seg_resp = torch.searchsorted(ends, starts, right=True)
-
-    # One streamed pass over D: row sums, the rows a segment boundary splits, and the rows that may
-    # hold a token >= d_t (D >= 0, so such a row's sum is >= d_t too).
     t = _float32_at_least(d_t)
     split_rows = torch.unique_consecutive(starts[starts % ROW != 0] // ROW)
-    n_rows = -(-n // ROW)
-    row_sums = torch.empty(n_rows, dtype=torch.float32, device=device)
-    split_ops = torch.empty(split_rows.shape[0], ROW, dtype=torch.float32, device=device)
-    hot_rows, hot_ops = [split_rows[:0]], [split_ops[:0]]
-    block = max(ROW, -(-block // ROW) * ROW)
-    buf = torch.empty(min(block, n_rows * ROW), dtype=torch.float32, device=device)
-    bounds = torch.searchsorted(split_rows, torch.arange(0, n_rows + block // ROW, block // ROW, device=device))
-    for b, s in enumerate(range(0, n, block)):
-        e = min(n, s + block)
-        r0, r1 = s // ROW, -(-e // ROW)
-        x = buf[: (r1 - r0) * ROW]
-        fill(s, e, x[: e - s])
-        x[e - s :] = 0.0
-        rows = x.view(-1, ROW)
-        torch.sum(rows, dim=1, out=row_sums[r0:r1])
-        k0, k1 = int(bounds[b]), int(bounds[b + 1])
-        split_ops[k0:k1] = rows[split_rows[k0:k1] - r0]
-        if t < math.inf:
-            hr = torch.nonzero(row_sums[r0:r1] >= t).squeeze(1)
-            hot_rows.append(hr + r0)
-            hot_ops.append(rows[hr])
-
+    row_sums, split_ops, hot = _stream(fill, n, block, split_rows, t)
     seg_sum = _segment_sums(row_sums, split_rows, split_ops, starts, n)
     seg_mean = seg_sum / seg_len
 
@@ -194,9 +172,6 @@ def _verify(fill, versions: Tensor, lengths: Tensor, d_s: float, d_t: float, blo
     # Token stage: the first token in [0, L1) with D >= d_t, and everything after it, is cut.
     keep2 = keep1.clone()
     if t < math.inf:
-        r, c = torch.nonzero(torch.cat(hot_ops) >= t, as_tuple=True)
-        hot = torch.cat(hot_rows)[r] * ROW + c
-        hot = hot[hot < n]
         resp = torch.searchsorted(ends, hot, right=True)
         keep2.scatter_reduce_(0, resp, hot - offsets[resp], "amin")
 
@@ -212,6 +187,38 @@ def _verify(fill, versions: Tensor, lengths: Tensor, d_s: float, d_t: float, blo
         segment_versions=versions[starts].long(),
         segment_mean_ops=seg_mean,
     )
+
+
+def _stream(fill: Fill, n: int, block: int, split_rows: Tensor, t: float) -> tuple[Tensor, Tensor, Tensor]:
+    """One pass over D in blocks of whole rows: (row sums, the split rows' D, sorted positions of D >= t).
+
+    Tokens >= t are searched only in rows whose sum reaches t: D >= 0, so every such token is in one.
+    """
+    device = split_rows.device
+    n_rows = -(-n // ROW)
+    row_sums = torch.empty(n_rows, dtype=torch.float32, device=device)
+    split_ops = torch.empty(split_rows.shape[0], ROW, dtype=torch.float32, device=device)
+    hot = [split_rows[:0]]
+    block = -(-block // ROW) * ROW
+    buf = torch.empty(min(block, n_rows * ROW), dtype=torch.float32, device=device)
+    block_rows = torch.arange(0, n_rows + block // ROW, block // ROW, device=device)
+    bounds = torch.searchsorted(split_rows, block_rows).tolist()  # split rows of each block
+    for b, s in enumerate(range(0, n, block)):
+        e = min(n, s + block)
+        x = buf[: -(-(e - s) // ROW) * ROW]
+        fill(s, e, x[: e - s])
+        x[e - s :] = 0.0  # the last row's padding
+        rows = x.view(-1, ROW)
+        r0 = s // ROW
+        torch.sum(rows, dim=1, out=row_sums[r0 : r0 + rows.shape[0]])
+        k0, k1 = bounds[b], bounds[b + 1]
+        split_ops[k0:k1] = rows[split_rows[k0:k1] - r0]
+        if t < math.inf:
+            candidates = torch.nonzero(row_sums[r0 : r0 + rows.shape[0]] >= t).squeeze(1)
+            r, c = torch.nonzero(rows[candidates] >= t, as_tuple=True)
+            hot.append(s + candidates[r] * ROW + c)
+    hot = torch.cat(hot)
+    return row_sums, split_ops, hot[hot < n]
 
 
 def _segment_starts(versions: Tensor, response_starts: Tensor) -> Tensor:
@@ -278,7 +285,7 @@ def _check_block(block: int | None, x: Tensor) -> int:
     """Tokens per streamed block: cache-sized on CPU; on an accelerator one block is fastest."""
     if block is None:
         return CPU_BLOCK if x.device.type == "cpu" else max(x.shape[0], 1)
-    if not isinstance(block, int) or block <= 0:
+    if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
         raise ValueError(f"block must be a positive number of tokens, got {block!r}")
     return block
 

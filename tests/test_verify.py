@@ -106,7 +106,7 @@ def test_matches_reference_on_ops_with_exact_ties(batch, block):
     assert got.keep_lengths.tolist() == reference_verify_ops(ops, versions, lengths, d_s, d_t)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(logprob_batches())
 def test_statistics_match_naive(batch):
     old, new, versions, lengths = batch
