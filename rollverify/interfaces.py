@@ -1,0 +1,82 @@
+"""The two boundaries the loop talks to: a rollout engine and a trainer.
+
+`sglang_ext` and `megatron_bridge` implement them; `rollverify` never imports either. Every array is numpy, so
+the same objects cross a ZMQ frame, a process boundary or a checkpoint without conversion.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from rollverify.types import Response
+
+
+@dataclass
+class SamplingParams:
+    """What the engine samples with; `temperature` also fixes the log-prob semantics (see docs/protocol.md)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class Chunk:
+    """Output an engine produced for one response since it was last (re)submitted or paused."""
+
+    response_id: str
+    token_ids: np.ndarray  # int32 [n]
+    logprobs: np.ndarray  # float32 [n], engine's, at sampling time
+    versions: np.ndarray  # int64 [n], policy version that sampled each token
+    routed_experts: np.ndarray | None  # int32 [n, layers, top_k] for MoE, else None
+    finish_reason: str | None  # "stop" | "length" when finished, None when paused mid-generation
+
+
+class RolloutEngine(Protocol):
+    """One or several SGLang servers seen as one pool of capacity."""
+
+    def submit(self, responses: Sequence[Response], sampling: SamplingParams) -> None:
+        """Generate each response from prompt + its current tokens, up to its remaining budget."""
+
+    def wait_finished(self, timeout: float) -> list[Chunk]:
+        """Block up to `timeout` s for finished responses; returns their output since submission."""
+
+    def pause(self) -> list[Chunk]:
+        """Stop all generation; return the partial output of every live response (finish_reason None)."""
+
+    def truncate(self, keep: dict[str, int]) -> None:
+        """Cut the engine's cached copy of each response to `keep` generated tokens."""
+
+    def drop(self, response_ids: Iterable[str]) -> None:
+        """Forget these responses entirely."""
+
+    def resume(self) -> None:
+        """Resubmit every cached live response from its kept prefix under the current weights."""
+
+    def update_weights(self, buckets: Iterator[list[tuple[str, object]]], version: int) -> None:
+        """Load the new policy's HF-named tensors, bucket by bucket; later tokens record `version`."""
+
+    def num_live(self) -> int:
+        """Responses submitted and not yet returned as finished."""
+
+
+class Trainer(Protocol):
+    """The policy being trained."""
+
+    def compute_logprobs(self, responses: Sequence[Response], temperature: float) -> list[np.ndarray]:
+        """Log-probs of each response's generated tokens under the current policy (float32)."""
+
+    def train_step(self, responses: Sequence[Response], advantages: np.ndarray, temperature: float) -> dict:
+        """One optimizer step on these responses (one advantage each); returns metrics."""
+
+    def export_weights(self) -> Iterator[list[tuple[str, object]]]:
+        """The current policy in HF naming, in buckets, for the engines."""
+
+    def save(self, path: str) -> None: ...
+
+    def load(self, path: str) -> None: ...

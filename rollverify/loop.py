@@ -1,0 +1,287 @@
+"""The RollVerify step loop, as DESIGN.md tells it: rollout -> train -> verify -> resync.
+
+For step k under policy version k:
+
+1. Rollout: carried-over responses resume first (the engine kept them paused), unfinished ones it no longer
+   holds are resubmitted from prompt + kept prefix, and new GRPO groups launch while capacity frees up. In the
+   carry-over modes the phase ends as soon as B groups have finished and every live response is paused, its
+   partial output recorded; in `on_policy` it waits for every launched group.
+2. Train: the first B finished groups make one optimizer step (version k -> k+1).
+3. Verify: every response still in the buffer (all went stale) is checked against version k+1 by the
+   strategy of the mode and cut to its verified prefix, in the buffer and on the engine.
+4. Resync: the new weights reach the engines, after the truncation decisions.
+
+The loop owns the truth about every response (`RolloutBuffer`); the engine is a cache of it, so a crashed
+server costs only the tokens since the last pause. `Ledger.check` holds the accounting invariant after each
+step: every launched response is in the training data, carried over, or was dropped; no token is counted
+twice or lost.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from rollverify.buffer import RolloutBuffer
+from rollverify.interfaces import Chunk, RolloutEngine, SamplingParams, Trainer
+from rollverify.losses import grpo_advantages
+from rollverify.strategies import AlgoConfig, ConditionalSwitch, Strategy, Switching, make_strategy
+from rollverify.types import Group, Response
+
+
+@dataclass
+class LoopConfig:
+    """What the loop itself needs (the full run config lives in rollverify.config)."""
+
+    batch_groups: int = 8  # B: finished groups per optimizer step
+    n: int = 4  # responses per prompt (GRPO group size)
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    max_live: int = 64  # responses the engines generate at once (capacity)
+    use_std: bool = True  # GRPO: divide advantages by the group std
+    wait_s: float = 0.05  # how long one poll for finished responses blocks
+    phase_timeout_s: float = 600.0  # a rollout phase that makes no progress this long is an error
+
+
+@dataclass
+class Ledger:
+    """Token and response accounting across the whole run."""
+
+    launched: int = 0  # responses launched (n per group)
+    trained: int = 0  # responses consumed by optimizer steps
+    generated_tokens: int = 0  # tokens ever recorded from the engines
+    trained_tokens: int = 0
+    cut_tokens: int = 0  # tokens removed by verification or filters (they will be regenerated)
+    restarted: int = 0  # responses sent back to their prompt by a filter or a cut to length 0
+
+    def check(self, buffer: RolloutBuffer) -> None:
+        in_buffer = sum(len(g.responses) for g in buffer.groups.values())
+        buffered_tokens = sum(r.num_tokens for g in buffer.groups.values() for r in g.responses)
+        if self.launched != self.trained + in_buffer:
+            raise AssertionError(
+                f"accounting: launched {self.launched} != trained {self.trained} + in buffer {in_buffer}"
+            )
+        if self.generated_tokens != self.trained_tokens + buffered_tokens + self.cut_tokens:
+            raise AssertionError(
+                f"accounting: generated {self.generated_tokens} tokens != trained {self.trained_tokens} + "
+                f"buffered {buffered_tokens} + cut {self.cut_tokens}"
+            )
+
+
+@dataclass
+class StepResult:
+    metrics: dict[str, Any]
+    trained_groups: list[Group] = field(default_factory=list)
+
+
+class Loop:
+    """One training run's state and its step function."""
+
+    def __init__(
+        self,
+        cfg: LoopConfig,
+        algo: AlgoConfig,
+        engine: RolloutEngine,
+        trainer: Trainer,
+        make_group: Callable[[int], Group],
+        reward: Callable[[Group, Response], float],
+    ) -> None:
+        self.cfg, self.algo = cfg, algo
+        self.engine, self.trainer = engine, trainer
+        self.make_group, self.reward = make_group, reward
+        self.strategy: Strategy = make_strategy(algo.mode, algo)
+        self.buffer = RolloutBuffer()
+        self.ledger = Ledger()
+        self.sampling = SamplingParams(temperature=cfg.temperature)
+        self.step = 0
+        self.version = 0
+        self.next_group_id = 0
+        self.on_engine: set[str] = set()  # responses the engine holds (live or paused)
+
+    # --- the loop -------------------------------------------------------------------------------------------
+
+    @property
+    def mode(self) -> str:
+        return self.strategy.mode
+
+    def run_step(self) -> StepResult:
+        t0 = time.perf_counter()
+        mode = self.mode
+        rollout = self.rollout()
+        t1 = time.perf_counter()
+        groups = self.buffer.pop_finished(self.cfg.batch_groups)
+        train_metrics = self.train(groups)
+        t2 = time.perf_counter()
+        verify_metrics = self.verify()
+        t3 = time.perf_counter()
+        self.engine.update_weights(self.trainer.export_weights(), self.version)
+        t4 = time.perf_counter()
+        self.ledger.check(self.buffer)
+        self.step += 1
+        rewards = np.concatenate([g.rewards for g in groups]) if groups else np.zeros(0)
+        metrics = {
+            "step": self.step,
+            "mode": mode,
+            "policy_version": self.version,
+            "reward_mean": float(rewards.mean()) if rewards.size else float("nan"),
+            **rollout,
+            **train_metrics,
+            **verify_metrics,
+            "n_finished_groups": len(groups),
+            "rollout_s": t1 - t0,
+            "train_s": t2 - t1,
+            "verify_s": t3 - t2,
+            "sync_s": t4 - t3,
+            "step_s": t4 - t0,
+        }
+        return StepResult(metrics, groups)
+
+    # --- 1. rollout -----------------------------------------------------------------------------------------
+
+    def rollout(self) -> dict[str, Any]:
+        cfg, buffer = self.cfg, self.buffer
+        carries_over = self.strategy.carries_over
+        generated_before = self.ledger.generated_tokens
+        self.engine.resume()
+        fresh = [buffer.get(p.response_id) for p in buffer.pending() if p.response_id not in self.on_engine]
+        self._submit(fresh)
+        # on_policy launches exactly what completes B groups; the carry-over modes keep the engines full
+        budget_groups = max(0, cfg.batch_groups - len(buffer.groups)) if not carries_over else None
+        launched_now = 0
+        last_progress = time.monotonic()
+        while True:
+            while self._room() and (budget_groups is None or launched_now < budget_groups):
+                self._launch_group()
+                launched_now += 1
+            done = self._record(self.engine.wait_finished(cfg.wait_s))
+            if done:
+                last_progress = time.monotonic()
+            if carries_over and buffer.num_finished >= cfg.batch_groups:
+                break
+            if not carries_over and buffer.num_finished >= cfg.batch_groups and not self.on_engine:
+                break
+            if not carries_over and not self.on_engine and budget_groups is not None and launched_now >= budget_groups:
+                break  # nothing left to wait for
+            if time.monotonic() - last_progress > cfg.phase_timeout_s:
+                raise TimeoutError(
+                    f"rollout made no progress for {cfg.phase_timeout_s:.0f} s "
+                    f"({len(self.on_engine)} responses on the engines)"
+                )
+        paused = self.engine.pause() if carries_over else []
+        self._record(paused)
+        return {
+            "tokens_generated": self.ledger.generated_tokens - generated_before,
+            "n_launched_groups": launched_now,
+            "n_paused": len(paused),
+        }
+
+    def _room(self) -> bool:
+        return len(self.on_engine) + self.cfg.n <= self.cfg.max_live
+
+    def _launch_group(self) -> None:
+        group = self.make_group(self.next_group_id)
+        self.next_group_id += 1
+        self.buffer.add_group(group)
+        self.ledger.launched += group.n
+        self._submit(group.responses)
+
+    def _submit(self, responses: Sequence[Response]) -> None:
+        if responses:
+            self.engine.submit(responses, self.sampling)
+            self.on_engine.update(r.response_id for r in responses)
+
+    def _record(self, chunks: Sequence[Chunk]) -> int:
+        """Append engine output to the buffer; score responses that finished. Returns how many finished."""
+        finished = 0
+        for c in chunks:
+            response = self.buffer.get(c.response_id)
+            self.buffer.record(
+                c.response_id, c.token_ids, c.logprobs, c.versions, c.routed_experts, finish_reason=c.finish_reason
+            )
+            self.ledger.generated_tokens += len(c.token_ids)
+            if response.finished:
+                self.on_engine.discard(c.response_id)
+                response.reward = float(self.reward(self.buffer.groups[response.group_id], response))
+                finished += 1
+        return finished
+
+    # --- 2. train -------------------------------------------------------------------------------------------
+
+    def train(self, groups: list[Group]) -> dict[str, float]:
+        if not groups:
+            return {}
+        rewards = torch.tensor(np.stack([g.rewards for g in groups]))
+        advantages = grpo_advantages(rewards, use_std=self.cfg.use_std).reshape(-1).numpy()
+        responses = [r for g in groups for r in g.responses]
+        metrics = self.trainer.train_step(responses, advantages, self.cfg.temperature)
+        self.version += 1
+        self.ledger.trained += len(responses)
+        self.ledger.trained_tokens += sum(r.num_tokens for r in responses)
+        ops = _trained_ops(responses, metrics)
+        return {**{k: float(v) for k, v in metrics.items() if isinstance(v, int | float)}, **ops}
+
+    # --- 3. verify ------------------------------------------------------------------------------------------
+
+    def verify(self) -> dict[str, Any]:
+        carried = self.buffer.carried_over()
+        stats: dict[str, Any] = {"n_carried": len(carried)}
+        if not carried:
+            return {**stats, "acceptance_rate": float("nan"), "kept_whole_rate": float("nan"), "switched": False}
+        new_lp = (
+            self.trainer.compute_logprobs(carried, self.cfg.temperature) if self.strategy.needs_new_logprobs else None
+        )
+        outcome = self.strategy.apply(carried, new_lp, self.version)
+        decisions = {rid: keep for rid, keep in outcome.decisions.items()}
+        cut = self.buffer.apply_truncation(decisions)
+        self.ledger.cut_tokens += cut
+        self.ledger.restarted += int(sum(1 for k in outcome.keep_lengths if k == 0))
+        on_engine = {rid: k for rid, k in decisions.items() if rid in self.on_engine}
+        if on_engine:
+            self.engine.truncate(on_engine)
+        s = outcome.stats
+        return {
+            **stats,
+            "ops_mean": s.get("ops_mean", float("nan")),
+            "acceptance_rate": s.get("acceptance_rate", float("nan")),
+            "kept_whole_rate": s.get("kept_whole_rate", float("nan")),
+            "staleness_max": s.get("staleness_max", 0.0),
+            "verified_tokens": s.get("verified_tokens", 0.0),
+            "kept_tokens": s.get("kept_tokens", 0.0),
+            "cut_tokens": float(cut),
+            "switched": bool(outcome.switched),
+            **({"switch_reason": outcome.switch_reason} if outcome.switched else {}),
+        }
+
+    # --- checkpoints ----------------------------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        """JSON-able loop state (the buffer and the trainer are saved beside it)."""
+        switch = self.strategy.switch.to_state() if isinstance(self.strategy, Switching) else None
+        return {
+            "step": self.step,
+            "version": self.version,
+            "next_group_id": self.next_group_id,
+            "ledger": asdict(self.ledger),
+            "switch": switch,
+        }
+
+    def restore(self, state: dict[str, Any], buffer: RolloutBuffer) -> None:
+        self.step, self.version = int(state["step"]), int(state["version"])
+        self.next_group_id = int(state["next_group_id"])
+        self.ledger = Ledger(**state["ledger"])
+        if state.get("switch") is not None and isinstance(self.strategy, Switching):
+            self.strategy.switch = ConditionalSwitch.from_state(state["switch"])
+        self.buffer = buffer
+        self.on_engine = set()  # a restored run resubmits everything unfinished from the buffer
+
+
+def _trained_ops(responses: Sequence[Response], metrics: dict) -> dict[str, float]:
+    """Mean OPS of the trained tokens against the policy that trained on them (old log-probs recomputed)."""
+    value = metrics.get("trained_ops_mean")
+    return {"trained_ops_mean": float(value)} if value is not None and math.isfinite(float(value)) else {}
