@@ -88,7 +88,12 @@ class TrainerConfig:
 
 
 def as_sequence(x: Any) -> TrainSequence:
-    """Accept a TrainSequence or anything with prompt ids / generated ids (dict or object, common names)."""
+    """Accept a TrainSequence, a rollverify `Response`, or any object/dict with prompt and generated ids.
+
+    A `Response` keeps the routes of its prompt positions (`prompt_routed_experts`, [P-1, ...]) apart from
+    those of the forwards that produced each generated token (`routed_experts`, [G, ...]); together they are
+    the [P + G - 1, ...] span the trainer replays.
+    """
     if isinstance(x, TrainSequence):
         return x
 
@@ -99,10 +104,14 @@ def as_sequence(x: Any) -> TrainSequence:
                 return v
         return None
 
+    routes = get("routed_experts")
+    prompt_routes = get("prompt_routed_experts")
+    if routes is not None and prompt_routes is not None:
+        routes = np.concatenate([np.asarray(prompt_routes), np.asarray(routes)])
     return TrainSequence(
         prompt_ids=get("prompt_ids", "prompt_token_ids"),
-        gen_ids=get("gen_ids", "output_ids", "tokens", "response_ids"),
-        routed_experts=get("routed_experts"),
+        gen_ids=get("gen_ids", "token_ids", "output_ids", "response_ids"),
+        routed_experts=routes,
         rollout_logprobs=get("rollout_logprobs", "logprobs", "lp_old"),
         advantage=get("advantage", "advantages"),
         loss_mask=get("loss_mask"),
@@ -279,6 +288,8 @@ class MegatronTrainer:
 
     def _logprobs(self, seqs: list[TrainSequence], use_replay: bool, temperature: float) -> tuple[list, list]:
         use_replay = use_replay and self.arch.moe
+        if use_replay:
+            self._check_all_routes(seqs)
         plan = self._plan(seqs)
         mbs = [self._micro_batch(seqs, idx, use_replay) for idx in plan]
 
@@ -350,6 +361,11 @@ class MegatronTrainer:
             time_step_s=time.perf_counter() - t0,
         )
         return metrics
+
+    def _check_all_routes(self, seqs: list[TrainSequence]) -> None:
+        """Every rank checks the whole batch, so a bad array fails all ranks before any collective."""
+        for i, s in enumerate(seqs):
+            replay.check_routes(s, self.arch.num_layers, self.arch.top_k, self.arch.num_experts, where=str(i))
 
     def _loss_pass(self, seqs: list[TrainSequence], old: list, use_replay: bool, temperature: float,
                    forward_only: bool) -> dict[str, float]:

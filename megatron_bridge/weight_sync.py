@@ -214,13 +214,13 @@ class BroadcastChannel:
         assert self.rank == 0
         for _, t in bucket:
             t = t.detach().to(self.device).contiguous()
-            self.group.broadcast([t], 0).wait()
+            self.group.broadcast(t, 0).wait()
 
     def receive(self, meta: list[tuple[str, str, list[int]]]) -> Bucket:
         out: Bucket = []
         for name, dtype, shape in meta:
             t = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
-            self.group.broadcast([t], 0).wait()
+            self.group.broadcast(t, 0).wait()
             out.append((name, t))
         return out
 
