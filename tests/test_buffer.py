@@ -115,3 +115,20 @@ def test_checkpoint_rejects_non_json_metadata():
     b.add_group(Group.new(0, [1], 1, 4, label=object()))
     with pytest.raises(ValueError, match="group 0 metadata must be JSON-able"):
         b.to_state()
+
+
+def test_one_verification_round_through_a_strategy():
+    """The loop's use: carried-over set -> strategy -> decisions -> buffer -> what resumes."""
+    from rollverify.strategies import AlgoConfig, make_strategy
+
+    b = filled_buffer()
+    b.pop_finished(1)
+    carried = b.carried_over()  # 0-0 (v0), 0-1 (v0, v0, v1), 2-0 (v1 x3)
+    new = [r.logprobs.copy() for r in carried]
+    new[1][2] += np.float32(np.log(4.0))  # 0-1's v1 token drifted: D = 3
+    strategy = make_strategy("rollverify", AlgoConfig(conditional_switch=False))
+    outcome = strategy.apply(carried, new, policy_version=2)
+    assert outcome.decisions == {"0-0": 1, "0-1": 2, "2-0": 3}
+    b.apply_truncation(outcome.decisions)
+    assert b.num_finished == 0
+    assert [(q.response_id, q.max_new_tokens) for q in b.pending()] == [("0-1", 6), ("2-0", 5), ("2-1", 8)]
