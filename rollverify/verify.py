@@ -32,7 +32,7 @@ ROW = 64  # tokens per row of the two-level sum
 CPU_BLOCK = 1 << 19  # tokens per streamed block on CPU (2 MiB of float32: stays in L2)
 
 TensorLike = Tensor | np.ndarray
-Fill = Callable[[int, int, Tensor], None]  # fill(s, e, out): write D of tokens [s, e) into out
+OpsFn = Callable[..., Tensor]  # ops(index, out=None): D of the tokens at index (a slice or a tensor)
 
 
 @dataclass
@@ -115,10 +115,10 @@ def two_stage_verify(
 
     block = _check_block(block, old)
 
-    def fill(s: int, e: int, out: Tensor) -> None:
-        token_ops(old[s:e], new[s:e], out=out)
+    def ops(index: slice | Tensor, out: Tensor | None = None) -> Tensor:
+        return token_ops(old[index], new[index], out=out)
 
-    return _verify(fill, versions, lengths, d_s, d_t, block)
+    return _verify(ops, versions, lengths, d_s, d_t, block)
 
 
 def two_stage_verify_ops(
@@ -139,28 +139,27 @@ def two_stage_verify_ops(
     versions, lengths = _check_segments_input(versions, lengths, d.shape[0], d.device)
     d_s, d_t = _check_threshold(d_s, "d_s"), _check_threshold(d_t, "d_t")
     block = _check_block(block, d)
+    d = d.float()
 
-    def fill(s: int, e: int, out: Tensor) -> None:
-        out.copy_(d[s:e]).nan_to_num_(nan=math.inf)
+    def ops(index: slice | Tensor, out: Tensor | None = None) -> Tensor:
+        return torch.nan_to_num(d[index], nan=math.inf, posinf=math.inf, out=out)
 
-    return _verify(fill, versions, lengths, d_s, d_t, block)
+    return _verify(ops, versions, lengths, d_s, d_t, block)
 
 
 # --- the algorithm ----------------------------------------------------------------------------------------
 
 
-def _verify(fill: Fill, versions: Tensor, lengths: Tensor, d_s: float, d_t: float, block: int) -> VerifyResult:
-    """Both stages, on D streamed in by ``fill``."""
+def _verify(ops: OpsFn, versions: Tensor, lengths: Tensor, d_s: float, d_t: float, block: int) -> VerifyResult:
+    """Both stages, reading D through ``ops``."""
     n = versions.shape[0]
     ends = torch.cumsum(lengths, 0)
     offsets = ends - lengths
     starts = _segment_starts(versions, offsets[lengths > 0])
     seg_len = torch.diff(starts, append=starts.new_tensor([n]))
     seg_resp = torch.searchsorted(ends, starts, right=True)
-    t = _float32_at_least(d_t)
-    split_rows = torch.unique_consecutive(starts[starts % ROW != 0] // ROW)
-    row_sums, split_ops, hot = _stream(fill, n, block, split_rows, t)
-    seg_sum = _segment_sums(row_sums, split_rows, split_ops, starts, n)
+    row_sums = _row_sums(ops, n, block, versions.device)
+    seg_sum = _segment_sums(ops, row_sums, starts, n)
     seg_mean = seg_sum / seg_len
 
     # Sequence stage: the first segment with mean D >= d_s, and everything after it, is cut.
@@ -171,7 +170,8 @@ def _verify(fill: Fill, versions: Tensor, lengths: Tensor, d_s: float, d_t: floa
 
     # Token stage: the first token in [0, L1) with D >= d_t, and everything after it, is cut.
     keep2 = keep1.clone()
-    if t < math.inf:
+    if d_t < math.inf:
+        hot = _hot_tokens(ops, row_sums, _float32_at_least(d_t), n)
         resp = torch.searchsorted(ends, hot, right=True)
         keep2.scatter_reduce_(0, resp, hot - offsets[resp], "amin")
 
@@ -189,38 +189,25 @@ def _verify(fill: Fill, versions: Tensor, lengths: Tensor, d_s: float, d_t: floa
     )
 
 
-def _stream(fill: Fill, n: int, block: int, split_rows: Tensor, t: float) -> tuple[Tensor, Tensor, Tensor]:
-    """One pass over D in blocks of whole rows: (row sums, the split rows' D, sorted positions of D >= t).
-
-    Tokens >= t are searched only in rows whose sum reaches t: D >= 0, so every such token is in one.
-    """
-    device = split_rows.device
+def _row_sums(ops: OpsFn, n: int, block: int, device: torch.device) -> Tensor:
+    """Sum of D over each row of ROW tokens (the last row zero-padded), streaming blocks of whole rows."""
     n_rows = -(-n // ROW)
     row_sums = torch.empty(n_rows, dtype=torch.float32, device=device)
-    split_ops = torch.empty(split_rows.shape[0], ROW, dtype=torch.float32, device=device)
-    hot_rows, hot_ops = [split_rows[:0]], [split_ops[:0]]
     block = -(-block // ROW) * ROW
     buf = torch.empty(min(block, n_rows * ROW), dtype=torch.float32, device=device)
-    block_rows = torch.arange(0, n_rows + block // ROW, block // ROW, device=device)
-    bounds = torch.searchsorted(split_rows, block_rows).tolist()  # split rows of each block
-    for b, s in enumerate(range(0, n, block)):
+    for s in range(0, n, block):
         e = min(n, s + block)
         x = buf[: -(-(e - s) // ROW) * ROW]
-        fill(s, e, x[: e - s])
-        if x.shape[0] > e - s:
-            x[e - s :] = 0.0  # the last row's padding
-        rows, r0 = x.view(-1, ROW), s // ROW
-        sums = torch.sum(rows, dim=1, out=row_sums[r0 : r0 + rows.shape[0]])
-        k0, k1 = bounds[b], bounds[b + 1]
-        if k1 > k0:
-            split_ops[k0:k1] = rows[split_rows[k0:k1] - r0]
-        if t < math.inf:
-            candidates = torch.nonzero(sums >= t).squeeze(1)
-            hot_rows.append(candidates + r0)
-            hot_ops.append(rows[candidates])
-    r, c = torch.nonzero(torch.cat(hot_ops) >= t, as_tuple=True)
-    hot = torch.cat(hot_rows)[r] * ROW + c
-    return row_sums, split_ops, hot[hot < n]
+        ops(slice(s, e), out=x[: e - s])
+        x[e - s :] = 0.0
+        torch.sum(x.view(-1, ROW), dim=1, out=row_sums[s // ROW : s // ROW + x.shape[0] // ROW])
+    return row_sums
+
+
+def _rows(ops: OpsFn, rows: Tensor, n: int) -> Tensor:
+    """D of whole rows, [len(rows), ROW]; positions past the last token read as 0."""
+    pos = rows[:, None] * ROW + torch.arange(ROW, device=rows.device)
+    return torch.where(pos < n, ops(pos.clamp(max=max(n - 1, 0))), 0.0)
 
 
 def _segment_starts(versions: Tensor, response_starts: Tensor) -> Tensor:
@@ -230,21 +217,29 @@ def _segment_starts(versions: Tensor, response_starts: Tensor) -> Tensor:
     return torch.unique(torch.cat([response_starts, changes]))
 
 
-def _segment_sums(row_sums: Tensor, split_rows: Tensor, split_ops: Tensor, starts: Tensor, n: int) -> Tensor:
-    """Sum of D per segment in float64: whole rows by their row sum, split rows token by token."""
+def _segment_sums(ops: OpsFn, row_sums: Tensor, starts: Tensor, n: int) -> Tensor:
+    """Sum of D per segment in float64: whole rows by their row sum, rows split by a boundary token-wise."""
     if not starts.numel():
         return torch.zeros(0, dtype=torch.float64, device=starts.device)
-    # Rows whose first token lies in segment i: ceil(starts[i] / ROW) <= row < ceil(starts[i+1] / ROW).
+    inner = starts[starts % ROW != 0]  # boundaries inside a row
+    split = torch.unique_consecutive(inner // ROW)
+    # Whole rows go to the segment holding their first token: rows ceil(s_i / ROW) .. ceil(s_i+1 / ROW) - 1.
     first_row = -(-torch.cat([starts, starts.new_tensor([n])]) // ROW)
-    whole = row_sums.double().index_fill_(0, split_rows, 0.0)
+    whole = row_sums.double().index_fill_(0, split, 0.0)
     sums = torch.segment_reduce(whole, "sum", lengths=torch.diff(first_row))
-    # A split row's token belongs to the row's first segment plus the boundaries passed so far in the row.
-    row_seg = torch.searchsorted(starts, split_rows * ROW, right=True) - 1
-    inner = starts[starts % ROW != 0]
-    is_start = torch.zeros(split_rows.shape[0], ROW, dtype=torch.long, device=starts.device)
-    is_start[torch.searchsorted(split_rows, inner // ROW), inner % ROW] = 1
-    token_seg = row_seg[:, None] + is_start.cumsum(1)
-    return sums.index_add_(0, token_seg.flatten(), split_ops.flatten().double())
+    # A split row's token: the segment of the row's first token, plus the boundaries passed in the row.
+    is_start = torch.zeros(split.shape[0], ROW, dtype=torch.long, device=starts.device)
+    is_start[torch.searchsorted(split, inner // ROW), inner % ROW] = 1
+    token_seg = torch.searchsorted(starts, split * ROW, right=True)[:, None] - 1 + is_start.cumsum(1)
+    return sums.index_add_(0, token_seg.flatten(), _rows(ops, split, n).flatten().double())
+
+
+def _hot_tokens(ops: OpsFn, row_sums: Tensor, t: float, n: int) -> Tensor:
+    """Sorted positions of tokens with D >= t, searched in the rows whose sum reaches t (D >= 0)."""
+    rows = torch.nonzero(row_sums >= t).squeeze(1)
+    r, c = torch.nonzero(_rows(ops, rows, n) >= t, as_tuple=True)
+    hot = rows[r] * ROW + c
+    return hot[hot < n]
 
 
 def _float32_at_least(x: float) -> float:
@@ -255,7 +250,7 @@ def _float32_at_least(x: float) -> float:
     return float(t) if float(t) >= x else float(np.nextafter(t, np.float32(math.inf)))
 
 
-# --- buffers and input checks -----------------------------------------------------------------------------
+# --- input checks -----------------------------------------------------------------------------------
 
 
 def _as_tensor(x: TensorLike, name: str) -> Tensor:

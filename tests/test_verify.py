@@ -191,6 +191,7 @@ def test_token_stage_only_scans_the_sequence_stage_prefix():
 
 
 def test_nan_fails_every_enabled_check_but_not_a_disabled_one():
+    assert ops_case([INF, 0.0], [0, 0], [2], 3e38, INF).keep_lengths.tolist() == [0]  # inf stays inf
     ops = [0.0, NAN, 0.0]
     assert ops_case(ops, [0, 0, 0], [3], INF, INF).keep_lengths.tolist() == [3]
     assert ops_case(ops, [0, 0, 0], [3], INF, 1e30).keep_lengths.tolist() == [1]
