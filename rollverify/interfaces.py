@@ -34,7 +34,9 @@ class Chunk:
     logprobs: np.ndarray  # float32 [n], engine's, at sampling time
     versions: np.ndarray  # int64 [n], policy version that sampled each token
     routed_experts: np.ndarray | None  # int32 [n, layers, top_k] for MoE, else None
-    finish_reason: str | None  # "stop" | "length" when finished, None when paused mid-generation
+    finish_reason: str | None  # "stop" | "length" when finished, "error" on failure, None when paused
+    prompt_routed_experts: np.ndarray | None = None  # int32 [prompt_len - 1, layers, top_k], first chunk only
+    error: str | None = None
 
 
 class RolloutEngine(Protocol):
@@ -44,13 +46,15 @@ class RolloutEngine(Protocol):
         """Generate each response from prompt + its current tokens, up to its remaining budget."""
 
     def wait_finished(self, timeout: float) -> list[Chunk]:
-        """Block up to `timeout` s for finished responses; returns their output since submission."""
+        """Block up to `timeout` s for finished responses; returns their output since the last report.
+        A finished response stays tracked (truncating it makes it live again) until dropped."""
 
     def pause(self) -> list[Chunk]:
         """Stop all generation; return the partial output of every live response (finish_reason None)."""
 
     def truncate(self, keep: dict[str, int]) -> None:
-        """Cut the engine's cached copy of each response to `keep` generated tokens."""
+        """Cut the engine's copy of each tracked response to `keep` generated tokens; `resume` relaunches
+        the cut ones, finished ones included."""
 
     def drop(self, response_ids: Iterable[str]) -> None:
         """Forget these responses entirely."""
@@ -61,8 +65,6 @@ class RolloutEngine(Protocol):
     def update_weights(self, buckets: Iterator[list[tuple[str, object]]], version: int) -> None:
         """Load the new policy's HF-named tensors, bucket by bucket; later tokens record `version`."""
 
-    def num_live(self) -> int:
-        """Responses submitted and not yet returned as finished."""
 
 
 class Trainer(Protocol):

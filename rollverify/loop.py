@@ -102,7 +102,7 @@ class Loop:
         self.step = 0
         self.version = 0
         self.next_group_id = 0
-        self.on_engine: set[str] = set()  # responses the engine holds (live or paused)
+        self.on_engine: set[str] = set()  # responses the engine tracks (live, paused or finished, until dropped)
 
     # --- the loop -------------------------------------------------------------------------------------------
 
@@ -149,6 +149,7 @@ class Loop:
         carries_over = self.strategy.carries_over
         generated_before = self.ledger.generated_tokens
         self.engine.resume()
+        # after a restore or a lost server the engine no longer holds some unfinished responses
         fresh = [buffer.get(p.response_id) for p in buffer.pending() if p.response_id not in self.on_engine]
         self._submit(fresh)
         # on_policy launches exactly what completes B groups; the carry-over modes keep the engines full
@@ -164,25 +165,27 @@ class Loop:
                 last_progress = time.monotonic()
             if carries_over and buffer.num_finished >= cfg.batch_groups:
                 break
-            if not carries_over and buffer.num_finished >= cfg.batch_groups and not self.on_engine:
-                break
-            if not carries_over and not self.on_engine and budget_groups is not None and launched_now >= budget_groups:
-                break  # nothing left to wait for
+            if not carries_over and self._num_live() == 0:
+                break  # on_policy: everything launched has finished
             if time.monotonic() - last_progress > cfg.phase_timeout_s:
                 raise TimeoutError(
                     f"rollout made no progress for {cfg.phase_timeout_s:.0f} s "
-                    f"({len(self.on_engine)} responses on the engines)"
+                    f"({self._num_live()} responses live on the engines)"
                 )
         paused = self.engine.pause() if carries_over else []
         self._record(paused)
+        self._record(self.engine.wait_finished(0.0))  # anything that finished while pausing
         return {
             "tokens_generated": self.ledger.generated_tokens - generated_before,
             "n_launched_groups": launched_now,
             "n_paused": len(paused),
         }
 
+    def _num_live(self) -> int:
+        return sum(1 for g in self.buffer.groups.values() for r in g.responses if not r.finished)
+
     def _room(self) -> bool:
-        return len(self.on_engine) + self.cfg.n <= self.cfg.max_live
+        return self._num_live() + self.cfg.n <= self.cfg.max_live
 
     def _launch_group(self) -> None:
         group = self.make_group(self.next_group_id)
@@ -200,13 +203,16 @@ class Loop:
         """Append engine output to the buffer; score responses that finished. Returns how many finished."""
         finished = 0
         for c in chunks:
+            if c.finish_reason == "error":
+                raise RuntimeError(f"the engine failed response {c.response_id}: {c.error}")
             response = self.buffer.get(c.response_id)
+            if c.prompt_routed_experts is not None and response.prompt_routed_experts is None:
+                response.prompt_routed_experts = c.prompt_routed_experts
             self.buffer.record(
                 c.response_id, c.token_ids, c.logprobs, c.versions, c.routed_experts, finish_reason=c.finish_reason
             )
             self.ledger.generated_tokens += len(c.token_ids)
             if response.finished:
-                self.on_engine.discard(c.response_id)
                 response.reward = float(self.reward(self.buffer.groups[response.group_id], response))
                 finished += 1
         return finished
@@ -221,6 +227,10 @@ class Loop:
         responses = [r for g in groups for r in g.responses]
         metrics = self.trainer.train_step(responses, advantages, self.cfg.temperature)
         self.version += 1
+        tracked = [r.response_id for r in responses if r.response_id in self.on_engine]
+        if tracked:
+            self.engine.drop(tracked)
+            self.on_engine.difference_update(tracked)
         self.ledger.trained += len(responses)
         self.ledger.trained_tokens += sum(r.num_tokens for r in responses)
         ops = _trained_ops(responses, metrics)
@@ -237,13 +247,17 @@ class Loop:
             self.trainer.compute_logprobs(carried, self.cfg.temperature) if self.strategy.needs_new_logprobs else None
         )
         outcome = self.strategy.apply(carried, new_lp, self.version)
-        decisions = {rid: keep for rid, keep in outcome.decisions.items()}
+        decisions = outcome.decisions
+        cuts = {
+            rid: int(k)
+            for rid, k, n in zip(outcome.response_ids, outcome.keep_lengths, outcome.lengths, strict=True)
+            if k < n and rid in self.on_engine
+        }
         cut = self.buffer.apply_truncation(decisions)
         self.ledger.cut_tokens += cut
         self.ledger.restarted += int(sum(1 for k in outcome.keep_lengths if k == 0))
-        on_engine = {rid: k for rid, k in decisions.items() if rid in self.on_engine}
-        if on_engine:
-            self.engine.truncate(on_engine)
+        if cuts:
+            self.engine.truncate(cuts)
         s = outcome.stats
         return {
             **stats,

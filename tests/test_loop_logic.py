@@ -17,13 +17,16 @@ from rollverify.types import Group
 
 
 class ScriptedEngine:
-    """Each response has a fixed target length (long-tailed); every poll advances live responses by `speed`."""
+    """Each response has a fixed target length (long-tailed); every poll advances live responses by `speed`.
+
+    Like the real extension it tracks a response until it is dropped: truncating a finished one makes it live
+    again and `resume` relaunches it."""
 
     def __init__(self, seed: int = 0, speed: int = 4):
         self.rng = np.random.default_rng(seed)
         self.speed = speed
-        self.live: dict[str, dict] = {}  # rid -> {"target", "done", "pending" tokens since last return}
-        self.paused: set[str] = set()
+        self.tracked: dict[str, dict] = {}  # rid -> {"target", "len", "new" tokens since last report, ...}
+        self.paused = False
         self.version = 0
         self.updates = []
 
@@ -32,57 +35,59 @@ class ScriptedEngine:
 
     def submit(self, responses, sampling):
         for r in responses:
-            assert r.response_id not in self.live, f"{r.response_id} submitted twice"
-            self.live[r.response_id] = {"target": self._target(r.remaining_budget), "tok": [], "ver": []}
+            assert r.response_id not in self.tracked, f"{r.response_id} submitted twice"
+            target = r.num_tokens + self._target(r.remaining_budget)
+            self.tracked[r.response_id] = {
+                "target": target, "len": r.num_tokens, "budget": r.max_new_tokens, "new": [], "done": False
+            }
 
-    def _advance(self, rid):
-        st = self.live[rid]
-        n = min(self.speed, st["target"] - len(st["tok"]))
-        st["tok"] += [7] * n
-        st["ver"] += [self.version] * n
+    @property
+    def live(self):
+        return [rid for rid, st in self.tracked.items() if not st["done"]]
 
     def _chunk(self, rid, reason):
-        st = self.live[rid]
-        tok = np.array(st["tok"], np.int32)
-        c = Chunk(rid, tok, np.full(len(tok), -1.0, np.float32), np.array(st["ver"], np.int64), None, reason)
-        st["target"] -= len(tok)
-        st["tok"], st["ver"] = [], []
-        return c
+        st = self.tracked[rid]
+        ver = np.array(st["new"], np.int64)
+        st["new"] = []
+        return Chunk(rid, np.full(len(ver), 7, np.int32), np.full(len(ver), -1.0, np.float32), ver, None, reason)
 
     def wait_finished(self, timeout):
+        if self.paused:
+            return []
         out = []
-        for rid in list(self.live):
-            if rid in self.paused:
-                continue
-            self._advance(rid)
-            if len(self.live[rid]["tok"]) >= self.live[rid]["target"]:
+        for rid in self.live:
+            st = self.tracked[rid]
+            n = min(self.speed, st["target"] - st["len"])
+            st["new"] += [self.version] * n
+            st["len"] += n
+            if st["len"] >= st["target"]:
+                st["done"] = True
                 out.append(self._chunk(rid, "stop"))
-                del self.live[rid]
         return out
 
     def pause(self):
-        out = [self._chunk(rid, None) for rid in self.live if rid not in self.paused]
-        self.paused |= set(self.live)
-        return out
+        self.paused = True
+        return [self._chunk(rid, None) for rid in self.live]
 
     def truncate(self, keep):
-        for rid in keep:
-            assert rid in self.paused, f"truncate of {rid}, which is not paused on the engine"
+        for rid, k in keep.items():
+            st = self.tracked[rid]
+            assert self.paused or st["done"], f"truncate of {rid} while it is generating"
+            assert k < st["len"], f"no-op truncation of {rid} sent"
+            st["len"], st["done"] = k, False
+            st["target"] = k + self._target(st["budget"] - k)
 
     def drop(self, rids):
         for rid in rids:
-            self.live.pop(rid, None)
+            del self.tracked[rid]
 
     def resume(self):
-        self.paused.clear()
+        self.paused = False
 
     def update_weights(self, buckets, version):
         list(buckets)
         self.version = version
         self.updates.append(version)
-
-    def num_live(self):
-        return len(self.live)
 
 
 class ScriptedTrainer:
@@ -136,7 +141,7 @@ def test_every_mode_trains_b_groups_per_step_and_keeps_the_accounting(mode):
     assert trainer.steps == [8] * 12
     assert engine.updates == list(range(1, 13))
     if mode == "on_policy":
-        assert not loop.buffer.groups and not engine.live
+        assert not loop.buffer.groups and not engine.tracked
     else:
         assert loop.ledger.launched > 12 * 8  # the engines were kept full beyond the batch
 
@@ -162,7 +167,7 @@ def test_conditional_switch_fires_on_low_acceptance_and_stops_carrying_over():
     assert switched_at is not None and switched_at >= 1  # the window must fill first
     assert modes[-1] == "on_policy"
     assert not loop.buffer.groups  # once on-policy, steps complete everything they launch
-    assert not engine.live
+    assert not engine.tracked  # and every trained response was dropped from the engine
 
 
 def test_restore_continues_from_the_buffer():
