@@ -2,9 +2,10 @@
 
 A sequence of P prompt and G generated tokens enters the model as its first P + G - 1 tokens: the last token is
 never an input (nothing is predicted from it), and that is exactly the span whose routing the engine reports
-(SGLang's routed experts are `[P + G - 1, moe_layers, top_k]`). Generated token j is predicted at packed row
-`start + P - 1 + j`. Micro-batches are greedy runs of whole sequences up to a token budget (a longer sequence
-gets a micro-batch of its own), in batch order, so results come back in batch order without a sort.
+(SGLang's routed experts are `[P + G - 1, moe_layers, top_k]`). Generated token j is predicted at position
+`P - 1 + j` of its sequence. Micro-batches are greedy runs of whole sequences up to a token budget (a longer
+sequence gets a micro-batch of its own), in batch order, so results come back in batch order without a sort;
+inside a micro-batch the sequences are packed into rows of at most `row_tokens` (see `model.PackedBatch`).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class TrainSequence:
 class MicroBatch:
     packed: PackedBatch
     seq_index: list[int]  # batch indices of the sequences in this micro-batch
-    gen_rows: torch.Tensor  # [N] rows of the packed row whose logits predict generated tokens
+    gen_rows: torch.Tensor  # [N] indices into the flattened [B*S] logits that predict generated tokens
     gen_targets: torch.Tensor  # [N] the generated tokens
     gen_counts: list[int]  # per sequence
     routes: list[torch.Tensor] | None = None  # per MoE layer [S, top_k] (filled by replay.attach)
@@ -74,18 +75,16 @@ def plan_micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
     return groups
 
 
-def make_micro_batch(seqs: list[TrainSequence], index: list[int], pad_to_multiple: int = 1) -> MicroBatch:
+def make_micro_batch(seqs: list[TrainSequence], index: list[int], pad_to_multiple: int = 1,
+                     row_tokens: int | None = None) -> MicroBatch:
     inputs = [torch.from_numpy(np.concatenate([seqs[i].prompt_ids, seqs[i].gen_ids])[:-1]) for i in index]
-    packed = PackedBatch.pack(inputs, pad_to_multiple)
+    packed = PackedBatch.pack(inputs, pad_to_multiple, row_tokens)
     rows, targets, counts = [], [], []
-    start = 0
-    for i in index:
+    for k, i in enumerate(index):
         s = seqs[i]
-        p, g = s.prompt_ids.size, s.gen_ids.size
-        rows.append(torch.arange(start + p - 1, start + p - 1 + g))
+        rows.append(packed.flat_rows(k, s.prompt_ids.size - 1, s.gen_ids.size))
         targets.append(torch.from_numpy(s.gen_ids))
-        counts.append(g)
-        start += s.num_inputs
+        counts.append(s.gen_ids.size)
     return MicroBatch(packed, list(index), torch.cat(rows), torch.cat(targets), counts)
 
 

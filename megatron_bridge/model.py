@@ -178,7 +178,7 @@ class PackedRotary(torch.nn.Module):
 
     Megatron-Core's 'rope' uses positions 0..S-1 of the row; for a packed row that would shift every sequence
     but the first, which is exact in theory (RoPE is relative) but not in fp32 at large offsets. Setting
-    `position_ids` before a forward makes the row's embeddings the per-token ones instead.
+    `position_ids` ([B, S]) before a forward makes the embeddings the per-token ones ([S, B, 1, dim]) instead.
     """
 
     def __init__(self, base: torch.nn.Module) -> None:
@@ -192,8 +192,9 @@ class PackedRotary(torch.nn.Module):
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None):
         if self.position_ids is None:
             return self.base(max_seq_len, offset, packed_seq, cp_group)
-        emb = self.base.get_emb(int(self.position_ids.max()) + 1)
-        return emb[self.position_ids.to(emb.device)]
+        pos = self.position_ids.view(-1, self.position_ids.shape[-1])  # [B, S]
+        emb = self.base.get_emb(int(pos.max()) + 1)[:, 0, 0]  # [P, dim]
+        return emb[pos.t().to(emb.device)].unsqueeze(2)  # [S, B, 1, dim], broadcast over heads
 
 
 def build_model(arch: ModelArch, config, *, pre_process: bool | None = None, post_process: bool | None = None):
@@ -266,52 +267,78 @@ def _cpu_only() -> bool:
 
 @dataclass
 class PackedBatch:
-    """Sequences packed into one row: token ids, per-token positions and sequence index (-1 for padding)."""
+    """Variable-length sequences packed end to end into B rows of S tokens (a sequence never splits).
 
-    input_ids: torch.Tensor  # [S] int64
-    position_ids: torch.Tensor  # [S] int64
-    seq_index: torch.Tensor  # [S] int64, -1 on padding
+    Rows bound the dense attention of the local spec (its cost grows with S^2, not with the sequences'
+    lengths): sequences fill a row in order until `row_tokens`, a longer sequence gets a row of its own, and
+    rows are padded to a common S with padding that attends only to itself.
+    """
+
+    input_ids: torch.Tensor  # [B, S] int64
+    position_ids: torch.Tensor  # [B, S] int64: position inside its own sequence
+    seq_index: torch.Tensor  # [B, S] int64: which sequence (in pack order), -1 on padding
     lengths: list[int]
+    places: list[tuple[int, int]]  # per sequence: (row, start column)
 
     @staticmethod
-    def pack(sequences: list[torch.Tensor], pad_to_multiple: int = 1) -> PackedBatch:
-        lengths = [int(s.numel()) for s in sequences]
-        ids = torch.cat([s.long().view(-1) for s in sequences]) if sequences else torch.zeros(0, dtype=torch.long)
-        pos = torch.cat([torch.arange(n) for n in lengths]) if sequences else torch.zeros(0, dtype=torch.long)
-        idx = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)]) if sequences else pos
-        pad = (-ids.numel()) % pad_to_multiple
-        if pad:
-            ids = torch.cat([ids, torch.zeros(pad, dtype=torch.long)])
-            pos = torch.cat([pos, torch.arange(pad)])
-            idx = torch.cat([idx, torch.full((pad,), -1)])
-        return PackedBatch(ids, pos, idx, lengths)
+    def pack(sequences: list[torch.Tensor], pad_to_multiple: int = 1, row_tokens: int | None = None) -> PackedBatch:
+        lengths = [int(x.numel()) for x in sequences]
+        cap = max([row_tokens or sum(lengths), *lengths, 1])
+        places, row, used = [], 0, 0
+        for n in lengths:
+            if used and used + n > cap:
+                row, used = row + 1, 0
+            places.append((row, used))
+            used += n
+        rows = row + 1
+        width = max([1] + [st + n for (_, st), n in zip(places, lengths, strict=True)])
+        width += (-width) % pad_to_multiple
+        ids = torch.zeros(rows, width, dtype=torch.long)
+        pos = torch.arange(width).repeat(rows, 1)
+        idx = torch.full((rows, width), -1, dtype=torch.long)
+        for i, (x, (r, st), n) in enumerate(zip(sequences, places, lengths, strict=True)):
+            ids[r, st:st + n] = x.long().view(-1)
+            pos[r, st:st + n] = torch.arange(n)
+            idx[r, st:st + n] = i
+        for r in range(rows):  # padding positions count from 0 after the row's last sequence
+            pad = idx[r] < 0
+            pos[r, pad] = torch.arange(int(pad.sum()))
+        return PackedBatch(ids, pos, idx, lengths, places)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.input_ids.shape)
+
+    def num_tokens(self) -> int:
+        return self.input_ids.numel()
 
     def attention_mask(self) -> torch.Tensor:
-        """[1, 1, S, S] bool, True = masked: causal inside each sequence, nothing across (padding is its own)."""
-        s = self.input_ids.numel()
+        """[B, 1, S, S] bool, True = masked: causal inside each sequence, nothing across (padding apart)."""
+        b, s = self.input_ids.shape
         seg = self.seq_index.clone()
         seg[seg < 0] = len(self.lengths)  # padding forms one more causal segment
-        same = seg.view(-1, 1) == seg.view(1, -1)
+        same = seg.unsqueeze(2) == seg.unsqueeze(1)
         causal = torch.ones(s, s, dtype=torch.bool).tril_()
-        return ~(same & causal).view(1, 1, s, s)
+        return ~(same & causal).view(b, 1, s, s)
+
+    def flat_rows(self, i: int, offset: int, count: int) -> torch.Tensor:
+        """Indices into the [B*S] (row-major) flattening of tokens offset..offset+count-1 of sequence i."""
+        r, st = self.places[i]
+        return r * self.input_ids.shape[1] + st + offset + torch.arange(count)
 
 
 def packed_forward(model, batch: PackedBatch, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Logits of the packed row, [S, 1, vocab/tp] (vocab-parallel shard on this TP rank)."""
+    """Logits [B, S, vocab/tp] of the packed rows (this TP rank's vocab slice)."""
     inner = unwrap(model)
-    if isinstance(getattr(inner, "rotary_pos_emb", None), PackedRotary):
-        inner.rotary_pos_emb.position_ids = batch.position_ids.to(device)
+    rotary = getattr(inner, "rotary_pos_emb", None)
+    if isinstance(rotary, PackedRotary):
+        rotary.position_ids = batch.position_ids.to(device)
     try:
-        out = model(
-            input_ids=batch.input_ids.view(1, -1).to(device),
-            position_ids=batch.position_ids.view(1, -1).to(device),
-            attention_mask=batch.attention_mask().to(device),
-        )
+        return model(input_ids=batch.input_ids.to(device), position_ids=batch.position_ids.to(device),
+                     attention_mask=batch.attention_mask().to(device))
     finally:
-        if isinstance(getattr(inner, "rotary_pos_emb", None), PackedRotary):
-            inner.rotary_pos_emb.position_ids = None
-    # GPTModel returns [b, s, v]; the logprob code works on [s, v]
-    return out
+        if isinstance(rotary, PackedRotary):
+            rotary.position_ids = None
 
 
 def unwrap(model):

@@ -1,53 +1,71 @@
-"""The GRPO token loss as the trainer applies it to one micro-batch (sums; Megatron divides by tokens).
+"""The algorithm core's policy losses (`rollverify.losses`) applied to one micro-batch of the trainer.
 
-Design definitions: ratio r = exp(lp - lp_old) with lp_old recomputed by the trainer before the step;
-decoupled clip: pg = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)); dual clip for A < 0:
-pg = min(pg, -A c); TIS weight w = min(exp(lp_old - lp_rollout), C), detached, multiplies each token's
-clipped loss. Returned as sums over valid tokens: the token-mean over the whole mini-batch is taken by
-Megatron-Core's per-token-loss normalisation (micro-batches and DP ranks together).
+Megatron-Core runs with `calculate_per_token_loss`: each micro-batch returns an unnormalised loss and its
+normaliser count, and Megatron divides the gradients by the count summed over micro-batches and data-parallel
+ranks. So the losses are called with a normaliser of 1 (a sum) and the count is returned beside them:
+
+* ppo / sapo: sum over valid tokens, count = valid tokens (the design's token-mean over the mini-batch);
+* gspo: sum over sequences of their token-means, count = sequences (GSPO's sequence-mean).
+
+Statistics come back as sums weighted by the micro-batch's valid tokens (`*_sum`) or as maxima (`*_max`), so
+the trainer can reduce them over micro-batches and ranks exactly.
 """
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
 
 import torch
 
+from rollverify import losses
+
+
+@dataclass
+class LossTerms:
+    loss_sum: torch.Tensor  # differentiable, unnormalised
+    count: torch.Tensor  # int: what Megatron divides by (summed over micro-batches and DP ranks)
+    stats: dict[str, torch.Tensor]  # "<name>_sum" (token-weighted) or "<name>_max"
+
+
+def _padded(x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    rows = torch.zeros(len(counts), max(counts), dtype=x.dtype, device=x.device)
+    for i, part in enumerate(x.split(counts)):
+        rows[i, :part.numel()] = part
+    return rows
+
 
 def terms(lp: torch.Tensor, old_lp: torch.Tensor, rollout_lp: torch.Tensor | None, adv: torch.Tensor,
-          mask: torch.Tensor, cfg):
-    from megatron_bridge.trainer import LossTerms
-
-    mask = mask.to(lp.dtype)
-    log_ratio = lp - old_lp
-    ratio = torch.exp(log_ratio)
-    surr1 = -adv * ratio
-    surr2 = -adv * ratio.clamp(1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
-    pg = torch.maximum(surr1, surr2)
-    clipped_low = ((ratio < 1.0 - cfg.eps_low) & (adv < 0)).to(lp.dtype)
-    clipped_high = ((ratio > 1.0 + cfg.eps_high) & (adv > 0)).to(lp.dtype)
-    dual = torch.zeros_like(pg)
-    if cfg.dual_clip_c is not None and math.isfinite(cfg.dual_clip_c):
-        bound = -adv * cfg.dual_clip_c
-        dual = ((adv < 0) & (pg > bound)).to(lp.dtype)
-        pg = torch.where(adv < 0, torch.minimum(pg, bound), pg)
+          mask: torch.Tensor, counts: list[int], cfg) -> LossTerms:
+    """lp, old_lp, rollout_lp, adv, mask: flat [N] over the micro-batch's generated tokens, `counts` per
+    sequence. An empty micro-batch (a filler that keeps ranks in step) gives a zero loss that still touches
+    `lp`, so the backward reaches every parameter."""
+    n_tok = mask.sum()
+    if not counts or n_tok == 0:
+        return LossTerms(lp.sum() * 0.0, torch.zeros((), dtype=torch.int), {})
+    rollout = rollout_lp if cfg.use_tis else None
+    if cfg.kind == "ppo":
+        total, m = losses.ppo_tis_loss(lp, old_lp, rollout, adv, mask, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
+                                       dual_clip_c=cfg.dual_clip_c, tis_cap=cfg.tis_cap, num_valid_tokens=1)
+        count = n_tok
+    elif cfg.kind == "sapo":
+        total, m = losses.sapo_loss(lp, old_lp, adv, mask, tau_pos=cfg.sapo_tau_pos, tau_neg=cfg.sapo_tau_neg,
+                                    rollout_logprobs=rollout, tis_cap=cfg.tis_cap, num_valid_tokens=1)
+        count = n_tok
+    elif cfg.kind == "gspo":
+        pad = [_padded(x, counts) for x in (lp, old_lp, adv, mask)]
+        total, m = losses.gspo_loss(pad[0], pad[1], pad[2], pad[3], eps_low=cfg.gspo_eps_low,
+                                    eps_high=cfg.gspo_eps_high,
+                                    rollout_logprobs=_padded(rollout, counts) if rollout is not None else None,
+                                    tis_cap=cfg.tis_cap, num_valid_seqs=1)
+        count = (pad[3].sum(-1) > 0).sum()
+    else:
+        raise ValueError(f"unknown loss kind {cfg.kind!r}: ppo, gspo or sapo")
     stats = {}
-    if cfg.use_tis and rollout_lp is not None:
-        with torch.no_grad():
-            w_raw = torch.exp(old_lp - rollout_lp)
-            cap = cfg.tis_cap if cfg.tis_cap is not None else math.inf
-            w = w_raw.clamp(max=cap)
-        pg = pg * w
-        stats["tis_weight_sum"] = (w * mask).sum()
-        stats["tis_clipfrac_sum"] = ((w_raw > cap).to(lp.dtype) * mask).sum()
-    loss_sum = (pg * mask).sum()
-    with torch.no_grad():
-        stats.update(
-            loss_sum=loss_sum.detach(),
-            clipfrac_low_sum=(clipped_low * mask).sum(),
-            clipfrac_high_sum=(clipped_high * mask).sum(),
-            clipfrac_dual_sum=(dual * mask).sum(),
-            ratio_sum=(ratio * mask).sum(),
-            approx_kl_sum=((-log_ratio) * mask).sum(),
-        )
-    return LossTerms(loss_sum=loss_sum, stats=stats)
+    for k, v in m.items():
+        if k == "pg_loss":
+            continue
+        if k.endswith("_max"):
+            stats[k] = v.detach().float()
+        else:
+            stats[f"{k}_sum"] = v.detach().float() * n_tok.float()
+    return LossTerms(total, count.to(torch.int), stats)

@@ -3,8 +3,9 @@
 SGLang reports, per response, int32 `[P + G - 1, moe_layers, top_k]`: the experts of every position whose
 forward ran (all tokens but the last generated one), which is exactly the span the trainer feeds the model (see
 `batch`). Megatron-Core's RouterReplay takes, per micro-batch and per MoE layer in construction order, a
-`[tokens, top_k]` index tensor in the row's token order; the router then gathers its own probabilities at those
-experts (so gradients still reach the router) instead of taking its top-k.
+`[tokens, top_k]` index tensor in Megatron's sequence-major token order (position s of row b is token
+s * B + b of the [S, B] activations); the router then gathers its own probabilities at those experts (so
+gradients still reach the router) instead of taking its top-k.
 
 Any disagreement in shape, layer count, top-k or expert range is a `RoutingMismatch`, raised before the forward:
 replaying a misaligned array would silently misroute every token after the first offset.
@@ -56,15 +57,15 @@ def check_routes(seq: TrainSequence, num_layers: int, top_k: int, num_experts: i
 
 def attach_routes(mb: MicroBatch, seqs: list[TrainSequence], num_layers: int, top_k: int,
                   num_experts: int) -> None:
-    """Fill `mb.routes` (one `[S, top_k]` int64 tensor per MoE layer) from the sequences' engine routes."""
-    s_total = mb.packed.input_ids.numel()
-    full = np.empty((s_total, num_layers, top_k), dtype=np.int64)
-    full[:] = np.arange(top_k)  # padding rows: any valid, distinct experts (their outputs are never used)
-    start = 0
-    for i in mb.seq_index:
+    """Fill `mb.routes` (one `[S*B, top_k]` int64 tensor per MoE layer) from the sequences' engine routes."""
+    b, s = mb.packed.shape
+    full = np.empty((s, b, num_layers, top_k), dtype=np.int64)
+    full[:] = np.arange(top_k)  # padding: any valid, distinct experts (their outputs are never used)
+    for k, i in enumerate(mb.seq_index):
         r = check_routes(seqs[i], num_layers, top_k, num_experts, where=str(i))
-        full[start:start + r.shape[0]] = r
-        start += r.shape[0]
+        row, start = mb.packed.places[k]
+        full[start:start + r.shape[0], row] = r
+    full = full.reshape(s * b, num_layers, top_k)
     mb.routes = [torch.from_numpy(np.ascontiguousarray(full[:, layer])) for layer in range(num_layers)]
 
 

@@ -175,11 +175,11 @@ class SpawnedTrainer:
     def compute_logprobs(self, batch, *, replay: bool | None = None, temperature: float | None = None):
         return self._call("compute_logprobs", list(batch), replay=replay, temperature=temperature)
 
-    def train_step(self, batch) -> dict[str, float]:
-        return self._call("train_step", list(batch))
+    def train_step(self, batch, *, temperature: float | None = None) -> dict[str, float]:
+        return self._call("train_step", list(batch), temperature=temperature)
 
-    def loss_on(self, batch, old_logprobs) -> dict[str, float]:
-        return self._call("loss_on", list(batch), old_logprobs)
+    def loss_on(self, batch, old_logprobs, *, temperature: float | None = None) -> dict[str, float]:
+        return self._call("loss_on", list(batch), old_logprobs, temperature=temperature)
 
     def sync_weights(self, sink, version: int | None = None, bucket_bytes: int = 64 << 20,
                      dtype: torch.dtype | None = None) -> dict[str, float]:

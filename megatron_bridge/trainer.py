@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_bridge import convert, replay
+from megatron_bridge import convert, policy_loss, replay
 from megatron_bridge.batch import (
     MicroBatch,
     TrainSequence,
@@ -40,13 +40,19 @@ from megatron_bridge.parallel import ParallelConfig, init_parallel, use_cpu
 
 @dataclass
 class LossConfig:
-    """GRPO/PPO token loss (design: decoupled clip, dual clip, TIS on the recomputed old log-prob)."""
+    """Policy loss (rollverify.losses): `ppo` is the design's GRPO objective (decoupled clip, dual clip, TIS on
+    the recomputed old log-prob, token-mean); `gspo` and `sapo` are the alternatives the paper compares."""
 
+    kind: str = "ppo"  # ppo | gspo | sapo
     eps_low: float = 0.2
     eps_high: float = 0.3
     dual_clip_c: float = 3.0  # math.inf: off
-    tis_cap: float = 2.0  # math.inf: no cap; 0 or None: TIS off
+    tis_cap: float = 2.0  # math.inf: no truncation
     use_tis: bool = True
+    gspo_eps_low: float = 3e-4
+    gspo_eps_high: float = 4e-4
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
 
 
 @dataclass
@@ -66,6 +72,7 @@ class TrainerConfig:
     clip_grad: float = 1.0
     optimizer: str = "adam"  # adam | sgd
     micro_batch_tokens: int = 4096
+    row_tokens: int = 1024  # packed row length cap (local-spec attention is dense over a row); 0: one row
     replay_verify: bool = False  # see megatron_bridge.replay for why free routing verifies
     replay_train: bool = True  # R3 for the old-log-prob recompute and the training forward
     temperature: float = 1.0
@@ -211,6 +218,12 @@ class MegatronTrainer:
         mine = plans[self.dp_rank]
         return mine + [[] for _ in range(n - len(mine))]
 
+    def _row_tokens(self) -> int | None:
+        # PP sends [S, B, H] between stages with a fixed B: one row per micro-batch keeps B = 1
+        if self.cfg.pp > 1 or self.cfg.row_tokens <= 0:
+            return None
+        return self.cfg.row_tokens
+
     _DUMMY = TrainSequence(prompt_ids=np.zeros(1, np.int64), gen_ids=np.zeros(1, np.int64))
 
     def _micro_batch(self, seqs: list[TrainSequence], index: list[int], use_replay: bool) -> MicroBatch:
@@ -221,7 +234,7 @@ class MegatronTrainer:
             if use_replay:
                 mb.routes = [torch.arange(self.arch.top_k).view(1, -1) for _ in range(self.arch.num_layers)]
             return mb
-        mb = make_micro_batch(seqs, index)
+        mb = make_micro_batch(seqs, index, row_tokens=self._row_tokens())
         if use_replay:
             replay.attach_routes(mb, seqs, self.arch.num_layers, self.arch.top_k, self.arch.num_experts)
         return mb
@@ -240,8 +253,7 @@ class MegatronTrainer:
                 rot.position_ids = mb.packed.position_ids.to(dev)
             try:
                 with replay.replaying(mb.routes, self._moe_layer_offset, device=dev):
-                    out = model(input_ids=mb.packed.input_ids.view(1, -1).to(dev),
-                                position_ids=mb.packed.position_ids.view(1, -1).to(dev),
+                    out = model(input_ids=mb.packed.input_ids.to(dev), position_ids=mb.packed.position_ids.to(dev),
                                 attention_mask=mb.packed.attention_mask().to(dev))
             finally:
                 if isinstance(rot, PackedRotary):
@@ -255,7 +267,7 @@ class MegatronTrainer:
         return step
 
     def _token_stats(self, mb: MicroBatch, output: torch.Tensor, temperature: float):
-        logits = output[0].index_select(0, mb.gen_rows.to(output.device))  # [N, V/tp]
+        logits = output.reshape(-1, output.shape[-1]).index_select(0, mb.gen_rows.to(output.device))  # [N, V/tp]
         tp_group = self.ps.get_tensor_model_parallel_group() if self.cfg.tp > 1 else None
         return vocab_parallel_logprob_entropy(logits, mb.gen_targets.to(output.device),
                                               temperature=temperature, tp_group=tp_group)
@@ -264,9 +276,12 @@ class MegatronTrainer:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         fb = get_forward_backward_func()
-        seq_len = max(mb.packed.input_ids.numel() for mb in mbs)
+        if self.cfg.pp > 1 and len({mb.packed.shape[0] for mb in mbs}) > 1:
+            raise AssertionError("pipeline stages exchange [S, B, H]: rows per micro-batch must be equal under PP")
+        seq_len = max(mb.packed.shape[1] for mb in mbs)
         out = fb(forward_step_func=self._forward_step(loss_of_mb), data_iterator=iter(mbs), model=[self.model],
-                 num_microbatches=len(mbs), seq_length=seq_len, micro_batch_size=1, forward_only=forward_only)
+                 num_microbatches=len(mbs), seq_length=seq_len, micro_batch_size=mbs[0].packed.shape[0],
+                 forward_only=forward_only)
         return list(out) if out else []
 
     def _share_results(self, mine: list[dict]) -> list[dict]:
@@ -323,7 +338,7 @@ class MegatronTrainer:
 
     # ------------------------------------------------------------------------------------------ train
 
-    def train_step(self, batch: Sequence[Any]) -> dict[str, float]:
+    def train_step(self, batch: Sequence[Any], *, temperature: float | None = None) -> dict[str, float]:
         """One optimizer step of the GRPO loss on `batch` (sequences with advantages and rollout log-probs).
 
         The old log-probs of the ratio are recomputed here, before the step, with the same routing as the
@@ -338,7 +353,7 @@ class MegatronTrainer:
                 raise ValueError(f"sequence {i} has no advantage")
             if self.cfg.loss.use_tis and s.rollout_logprobs is None:
                 raise ValueError(f"sequence {i} has no rollout log-probs (needed for TIS; set loss.use_tis=False)")
-        temperature = self.cfg.temperature
+        temperature = self.cfg.temperature if temperature is None else temperature
         use_replay = self.cfg.replay_train and self.arch.moe
         old, _ = self._logprobs(seqs, use_replay, temperature)
         t_old = time.perf_counter() - t0
@@ -380,27 +395,30 @@ class MegatronTrainer:
             x = mb.extras
             dev = lp.device
             rollout = x["rollout"].to(dev) if x["rollout"] is not None else None
-            terms = policy_loss_terms(lp, x["old"].to(dev), rollout, x["adv"].to(dev), x["mask"].to(dev), lcfg)
-            n = x["mask"].sum()
+            terms = policy_loss.terms(lp, x["old"].to(dev), rollout, x["adv"].to(dev), x["mask"].to(dev),
+                                      mb.gen_counts, lcfg)
             stats = {k: v.detach().float().cpu() for k, v in terms.stats.items()}
             stats["entropy_sum"] = (ent.detach().float().cpu() * x["mask"]).sum()
-            stats["tokens"] = n.float()
-            return terms.loss_sum, n.to(torch.int).to(dev), stats
+            stats["loss_total"] = terms.loss_sum.detach().float().cpu()
+            stats["tokens"] = x["mask"].sum().float()
+            stats["norm"] = terms.count.float().cpu()
+            return terms.loss_sum, terms.count.to(dev), stats
 
         if forward_only:
             with torch.no_grad():
                 return self._reduce_metrics(self._run(mbs, loss_of_mb, forward_only=True))
         return self._reduce_metrics(self._run(mbs, loss_of_mb, forward_only=False))
 
-    def loss_on(self, batch: Sequence[Any], old_logprobs: np.ndarray) -> dict[str, float]:
+    def loss_on(self, batch: Sequence[Any], old_logprobs: np.ndarray, *,
+                temperature: float | None = None) -> dict[str, float]:
         """The train-step loss and its statistics on `batch` at the current weights, without a step; the
         ratio's denominator is `old_logprobs` (flat, as `compute_logprobs` returns them)."""
         seqs = [as_sequence(s) for s in batch]
         counts = [s.gen_ids.size for s in seqs]
         old = np.split(np.asarray(old_logprobs, np.float32), np.cumsum(counts)[:-1])
         self.model.eval()
-        return self._loss_pass(seqs, old, self.cfg.replay_train and self.arch.moe, self.cfg.temperature,
-                               forward_only=True)
+        return self._loss_pass(seqs, old, self.cfg.replay_train and self.arch.moe,
+                               self.cfg.temperature if temperature is None else temperature, forward_only=True)
 
     def _loss_inputs(self, seqs: list[TrainSequence], mb: MicroBatch, old: list) -> dict:
         adv, mask, rollout, o = [], [], [], []
@@ -419,20 +437,21 @@ class MegatronTrainer:
                 "rollout": cat(rollout) if self.cfg.loss.use_tis else None}
 
     def _reduce_metrics(self, results: list[dict]) -> dict[str, float]:
-        """Sum the per-micro-batch sums over micro-batches and DP ranks (last PP stage), then token-mean."""
-        keys = sorted({k for r in results for k in r})
-        local = torch.tensor([[float(r.get(k, 0.0)) for k in keys] for r in results]).sum(0) if results else \
-            torch.zeros(len(keys))
-        shared = self._share_results([{"keys": keys, "vals": local}])
+        """Reduce per-micro-batch statistics over micro-batches and DP ranks (last PP stage): the loss is
+        sum / normaliser count (what the gradient used), `*_sum` are token-weighted means, `*_max` maxima."""
+        local: dict[str, float] = {}
+        for r in results:
+            for k, v in r.items():
+                v = float(v)
+                local[k] = max(local.get(k, v), v) if k.endswith("_max") else local.get(k, 0.0) + v
         total: dict[str, float] = {}
-        for rec in shared:
-            for k, v in zip(rec["keys"], rec["vals"].tolist(), strict=True):
-                total[k] = total.get(k, 0.0) + v
-        n = max(total.pop("tokens", 0.0), 1.0)
-        out = {"tokens": n}
+        for rec in self._share_results([local]):
+            for k, v in rec.items():
+                total[k] = max(total.get(k, v), v) if k.endswith("_max") else total.get(k, 0.0) + v
+        n = total.pop("tokens", 0.0)
+        out = {"tokens": n, "loss": total.pop("loss_total", 0.0) / max(total.pop("norm", 0.0), 1.0)}
         for k, v in total.items():
-            name = k[:-4] if k.endswith("_sum") else k
-            out[name] = v / n
+            out[k.removesuffix("_sum")] = v if k.endswith("_max") else v / max(n, 1.0)
         return out
 
     def _mismatch(self, seqs: list[TrainSequence], old: list) -> dict[str, float]:
@@ -554,21 +573,3 @@ def _load_inner_state(opt, saved: dict) -> None:
         for p, q in zip(params, saved["main"], strict=True):
             p.copy_(q)
     inner.load_state_dict(saved["state"])
-
-
-# ---------------------------------------------------------------------------------------------- loss
-
-
-@dataclass
-class LossTerms:
-    loss_sum: torch.Tensor  # sum over valid tokens of the weighted clipped surrogate (differentiable)
-    stats: dict[str, torch.Tensor]  # sums over valid tokens (divided by the token count for metrics)
-
-
-def policy_loss_terms(lp: torch.Tensor, old_lp: torch.Tensor, rollout_lp: torch.Tensor | None,
-                      adv: torch.Tensor, mask: torch.Tensor, cfg: LossConfig) -> LossTerms:
-    """Per-token GRPO surrogate summed over valid tokens, via the algorithm core's `rollverify.losses`."""
-    from megatron_bridge import policy_loss
-
-    return policy_loss.terms(lp, old_lp, rollout_lp, adv, mask, cfg)
-

@@ -47,13 +47,14 @@ def test_compute_logprobs_matches_transformers(dense, temperature):
     assert lp.dtype == np.float32 and lp.shape == ref.shape == (sum(s.gen_ids.size for s in seqs),)
     assert np.abs(lp - ref).max() < 1e-4
     assert np.all(ent > 0) and np.all(ent <= np.log(128) + 1e-4)
-    # micro-batching by token budget changes nothing
-    dense.cfg.micro_batch_tokens = 10_000
-    try:
-        lp_one, ent_one = dense.compute_logprobs(seqs, temperature=temperature)
-    finally:
-        dense.cfg.micro_batch_tokens = 24
-    assert np.abs(lp_one - lp).max() < 1e-5 and np.abs(ent_one - ent).max() < 1e-5
+    # neither the token budget of a micro-batch nor the row layout inside it changes anything
+    for budget, rows in ((10_000, 0), (10_000, 12), (40, 1)):
+        dense.cfg.micro_batch_tokens, dense.cfg.row_tokens = budget, rows
+        try:
+            lp_other, ent_other = dense.compute_logprobs(seqs, temperature=temperature)
+        finally:
+            dense.cfg.micro_batch_tokens, dense.cfg.row_tokens = 24, 1024
+        assert np.abs(lp_other - lp).max() < 1e-5 and np.abs(ent_other - ent).max() < 1e-5
 
 
 def test_entropy_is_that_of_the_tempered_distribution(dense):
@@ -79,14 +80,16 @@ def test_grpo_step_lowers_the_loss_and_reports_metrics():
     after = trainer.loss_on(seqs, old)
     assert after["loss"] < before["loss"] - 1e-3, (before["loss"], after["loss"])
     assert abs(m["loss"] - before["loss"]) < 1e-6  # the step's loss is the loss at the old weights
-    for key in ("loss", "grad_norm", "entropy", "clipfrac_low", "clipfrac_high", "clipfrac_dual", "tis_weight",
-                "tis_clipfrac", "mismatch_abs_mean", "mismatch_ops_mean", "lr", "tokens"):
+    for key in ("loss", "grad_norm", "entropy", "clip_frac_low", "clip_frac_high", "dual_clip_frac",
+                "tis_weight_mean", "tis_weight_max", "tis_frac_capped", "mismatch_abs_mean", "mismatch_ops_mean",
+                "approx_kl", "lr", "tokens"):
         assert np.isfinite(m[key]), key
     assert m["tokens"] == sum(s.gen_ids.size for s in seqs) and m["lr"] == pytest.approx(1e-2)
     # the recomputed old log-prob equals the current one at the first (only) micro-step: ratio 1, no clipping
-    assert m["ratio"] == pytest.approx(1.0, abs=1e-6) and m["clipfrac_low"] == m["clipfrac_high"] == 0.0
+    assert m["ratio_mean"] == pytest.approx(1.0, abs=1e-6) and m["clip_frac_low"] == m["clip_frac_high"] == 0.0
     # TIS: w = min(exp(lp_old_train - lp_rollout), 2) = exp(0.1); mismatch |0.1|
-    assert m["tis_weight"] == pytest.approx(np.exp(0.1), abs=1e-4) and m["tis_clipfrac"] == 0.0
+    assert m["tis_weight_mean"] == pytest.approx(np.exp(0.1), abs=1e-4) and m["tis_frac_capped"] == 0.0
+    assert m["tis_weight_max"] == pytest.approx(np.exp(0.1), abs=1e-4)
     assert m["mismatch_abs_mean"] == pytest.approx(0.1, abs=1e-4)
     assert m["mismatch_ops_mean"] == pytest.approx(np.expm1(0.1), abs=1e-4)
     assert m["grad_norm"] > 0 and m["entropy"] > 0
@@ -101,10 +104,40 @@ def test_loss_normalises_by_tokens_not_by_weights():
     a = trainer.loss_on(seqs, old)
     trainer.cfg.micro_batch_tokens = 10_000
     b = trainer.loss_on(seqs, old)
-    assert a["loss"] == pytest.approx(b["loss"], abs=1e-6) and a["tis_clipfrac"] == 1.0
+    assert a["loss"] == pytest.approx(b["loss"], abs=1e-6) and a["tis_frac_capped"] == 1.0
     n = sum(s.gen_ids.size for s in seqs)
     expected = sum(-s.advantage * 2.0 * s.gen_ids.size for s in seqs) / n
     assert a["loss"] == pytest.approx(expected, abs=1e-5)
+    trainer.close()
+
+
+@pytest.mark.parametrize("kind", ["gspo", "sapo"])
+def test_alternative_losses_step_and_normalise_like_rollverify(kind):
+    """GSPO (sequence-mean) and SAPO (token-mean) through Megatron's normalisation equal rollverify.losses on
+    the whole batch at once, whatever the micro-batching."""
+    from megatron_bridge.trainer import LossConfig
+    from rollverify import losses
+
+    trainer = _trainer(tiny_path(), lr=1e-2, micro_batch_tokens=12, loss=LossConfig(kind=kind))
+    seqs = _rl_batch(tiny_path(), shift=0.05)
+    old, _ = trainer.compute_logprobs(seqs)
+    got = trainer.loss_on(seqs, old + 0.01)  # ratio != 1 so the losses are not trivially equal
+    t = lambda xs: torch.from_numpy(np.concatenate(xs).astype(np.float32))  # noqa: E731
+    lp, old_t = t([old]), t([old + 0.01])
+    roll = t([s.rollout_logprobs for s in seqs])
+    adv = t([np.full(s.gen_ids.size, s.advantage, np.float32) for s in seqs])
+    mask = torch.ones_like(lp)
+    if kind == "sapo":
+        ref, _ = losses.sapo_loss(lp, old_t, adv, mask, rollout_logprobs=roll)
+    else:
+        counts = [s.gen_ids.size for s in seqs]
+        from megatron_bridge.policy_loss import _padded
+
+        ref, _ = losses.gspo_loss(*(_padded(x, counts) for x in (lp, old_t, adv, mask)),
+                                  rollout_logprobs=_padded(roll, counts))
+    assert got["loss"] == pytest.approx(float(ref), abs=1e-5)
+    m = trainer.train_step(seqs)
+    assert np.isfinite(m["loss"]) and m["grad_norm"] > 0
     trainer.close()
 
 
@@ -177,8 +210,33 @@ def test_world_size_2_step_equals_single_process_step(layout, moe, tied):
         lp_after, _ = tr.compute_logprobs(seqs, replay=moe)
     assert np.abs(lp - ref["lp"]).max() < 1e-5 and np.abs(ent - ref["ent"]).max() < 1e-5
     assert all(torch.equal(before[k], ref["before"][k]) for k in ref["before"])  # bit-exact export, sharded
-    for key in ("loss", "grad_norm", "entropy", "tis_weight", "mismatch_abs_mean", "tokens"):
+    for key in ("loss", "grad_norm", "entropy", "tis_weight_mean", "mismatch_abs_mean", "tokens"):
         assert m[key] == pytest.approx(ref["metrics"][key], rel=1e-5, abs=1e-6), key
     assert max((after[k] - ref["after"][k]).abs().max().item() for k in after) < 1e-5
     assert np.abs(lp_after - ref["lp_after"]).max() < 1e-4
     assert np.abs(lp_after - lp).max() > 1e-3  # the step did move the policy
+
+
+def test_loop_adapter_speaks_rollverify_responses():
+    from megatron_bridge.convert import hf_tensor_names
+    from megatron_bridge.loop_adapter import LoopTrainer
+    from rollverify.types import Response
+
+    trainer = _trainer(tiny_path(), lr=1e-2)
+    seqs = _rl_batch(tiny_path())
+    responses = []
+    for i, s in enumerate(seqs):
+        r = Response(group_id=0, index=i, prompt_ids=s.prompt_ids, max_new_tokens=64)
+        r.append(s.gen_ids, s.rollout_logprobs, versions=0, finished=True, finish_reason="stop")
+        responses.append(r)
+    loop = LoopTrainer(trainer, bucket_bytes=16 << 10)
+    lps = loop.compute_logprobs(responses, temperature=1.0)
+    assert [len(a) for a in lps] == [r.num_tokens for r in responses]
+    assert max(np.abs(a - s.rollout_logprobs).max() for a, s in zip(lps, seqs, strict=True)) < 1e-4
+    m = loop.train_step(responses, np.array(ADV[:len(responses)]), temperature=1.0)
+    assert m["tokens"] == sum(r.num_tokens for r in responses) and np.isfinite(m["loss"])
+    buckets = list(loop.export_weights())
+    assert len(buckets) > 1 and [n for b in buckets for n, _ in b] == hf_tensor_names(trainer.arch)
+    with pytest.raises(ValueError, match="one each"):
+        loop.train_step(responses, np.ones(1), temperature=1.0)
+    trainer.close()

@@ -1,0 +1,51 @@
+"""`LoopTrainer`: the loop's `rollverify.interfaces.Trainer` over a MegatronTrainer or SpawnedTrainer.
+
+The loop speaks in `Response`s (engine log-probs in `logprobs`, routes split into prompt and per-token parts)
+and one advantage per response; the Megatron side takes the same objects through `trainer.as_sequence`.
+Verification calls `compute_logprobs` (routing per `replay_verify`), training calls `train_step` (routing per
+`replay_train`); weights leave in HF-named buckets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from megatron_bridge.weight_sync import buckets
+
+
+class LoopTrainer:
+    def __init__(self, trainer: Any, bucket_bytes: int = 64 << 20) -> None:
+        self.trainer = trainer
+        self.bucket_bytes = bucket_bytes
+
+    def compute_logprobs(self, responses: Sequence[Any], temperature: float) -> list[np.ndarray]:
+        if not responses:
+            return []
+        flat, _ = self.trainer.compute_logprobs(list(responses), temperature=temperature)
+        counts = [len(r.token_ids) for r in responses]
+        return [a.astype(np.float32) for a in np.split(flat, np.cumsum(counts)[:-1])]
+
+    def train_step(self, responses: Sequence[Any], advantages: np.ndarray, temperature: float) -> dict:
+        from megatron_bridge.trainer import as_sequence
+
+        adv = np.asarray(advantages, dtype=np.float32).reshape(-1)
+        if adv.size != len(responses):
+            raise ValueError(f"{adv.size} advantages for {len(responses)} responses (one each)")
+        seqs = []
+        for r, a in zip(responses, adv, strict=True):
+            s = as_sequence(r)
+            s.advantage = float(a)
+            seqs.append(s)
+        return self.trainer.train_step(seqs, temperature=temperature)
+
+    def export_weights(self) -> Iterator[list[tuple[str, object]]]:
+        return buckets(self.trainer.iter_hf_tensors(), self.bucket_bytes)
+
+    def save(self, path: str) -> None:
+        self.trainer.save_checkpoint(path)
+
+    def load(self, path: str) -> None:
+        self.trainer.load_checkpoint(path)
