@@ -32,7 +32,6 @@ ROW = 64  # tokens per row of the two-level sum
 CPU_BLOCK = 1 << 19  # tokens per streamed block on CPU (2 MiB of float32: stays in L2)
 
 TensorLike = Tensor | np.ndarray
-OpsFn = Callable[..., Tensor]  # ops(index, out=None): D of the tokens at index (a slice or a tensor)
 
 
 @dataclass
@@ -114,11 +113,7 @@ def two_stage_verify(
     d_s, d_t = _check_threshold(d_s, "d_s"), _check_threshold(d_t, "d_t")
 
     block = _check_block(block, old)
-
-    def ops(index: slice | Tensor, out: Tensor | None = None) -> Tensor:
-        return token_ops(old[index], new[index], out=out)
-
-    return _verify(ops, versions, lengths, d_s, d_t, block)
+    return _verify(_Source((old, new), token_ops), versions, lengths, d_s, d_t, block)
 
 
 def two_stage_verify_ops(
@@ -139,19 +134,33 @@ def two_stage_verify_ops(
     versions, lengths = _check_segments_input(versions, lengths, d.shape[0], d.device)
     d_s, d_t = _check_threshold(d_s, "d_s"), _check_threshold(d_t, "d_t")
     block = _check_block(block, d)
-    d = d.float()
 
-    def ops(index: slice | Tensor, out: Tensor | None = None) -> Tensor:
-        return torch.nan_to_num(d[index], nan=math.inf, posinf=math.inf, out=out)
+    def nan_to_inf(x: Tensor, out: Tensor | None = None) -> Tensor:
+        return torch.nan_to_num(x.float(), nan=math.inf, posinf=math.inf, out=out)
 
-    return _verify(ops, versions, lengths, d_s, d_t, block)
+    return _verify(_Source((d,), nan_to_inf), versions, lengths, d_s, d_t, block)
 
 
 # --- the algorithm ----------------------------------------------------------------------------------------
 
 
-def _verify(ops: OpsFn, versions: Tensor, lengths: Tensor, d_s: float, d_t: float, block: int) -> VerifyResult:
-    """Both stages, reading D through ``ops``."""
+@dataclass
+class _Source:
+    """Where D comes from: ``fn(*inputs, out=None)`` on matching slices or rows of the packed inputs."""
+
+    inputs: tuple[Tensor, ...]
+    fn: Callable[..., Tensor]
+
+    def block(self, s: int, e: int, out: Tensor) -> None:
+        self.fn(*(x[s:e] for x in self.inputs), out=out)
+
+    def rows(self, rows: Tensor) -> Tensor:
+        """D of sorted whole rows [len(rows), ROW]; positions past the last token read as 0."""
+        return self.fn(*(_gather_rows(x, rows) for x in self.inputs))
+
+
+def _verify(ops: _Source, versions: Tensor, lengths: Tensor, d_s: float, d_t: float, block: int) -> VerifyResult:
+    """Both stages, reading D from ``ops``."""
     n = versions.shape[0]
     ends = torch.cumsum(lengths, 0)
     offsets = ends - lengths
@@ -159,7 +168,7 @@ def _verify(ops: OpsFn, versions: Tensor, lengths: Tensor, d_s: float, d_t: floa
     seg_len = torch.diff(starts, append=starts.new_tensor([n]))
     seg_resp = torch.searchsorted(ends, starts, right=True)
     row_sums = _row_sums(ops, n, block, versions.device)
-    seg_sum = _segment_sums(ops, row_sums, starts, n)
+    seg_sum = _segment_sums(ops, row_sums, starts)
     seg_mean = seg_sum / seg_len
 
     # Sequence stage: the first segment with mean D >= d_s, and everything after it, is cut.
@@ -189,7 +198,7 @@ def _verify(ops: OpsFn, versions: Tensor, lengths: Tensor, d_s: float, d_t: floa
     )
 
 
-def _row_sums(ops: OpsFn, n: int, block: int, device: torch.device) -> Tensor:
+def _row_sums(ops: _Source, n: int, block: int, device: torch.device) -> Tensor:
     """Sum of D over each row of ROW tokens (the last row zero-padded), streaming blocks of whole rows."""
     n_rows = -(-n // ROW)
     row_sums = torch.empty(n_rows, dtype=torch.float32, device=device)
@@ -198,16 +207,23 @@ def _row_sums(ops: OpsFn, n: int, block: int, device: torch.device) -> Tensor:
     for s in range(0, n, block):
         e = min(n, s + block)
         x = buf[: -(-(e - s) // ROW) * ROW]
-        ops(slice(s, e), out=x[: e - s])
-        x[e - s :] = 0.0
+        ops.block(s, e, out=x[: e - s])
+        if e - s < x.shape[0]:
+            x[e - s :] = 0.0  # the last row's padding
         torch.sum(x.view(-1, ROW), dim=1, out=row_sums[s // ROW : s // ROW + x.shape[0] // ROW])
     return row_sums
 
 
-def _rows(ops: OpsFn, rows: Tensor, n: int) -> Tensor:
-    """D of whole rows, [len(rows), ROW]; positions past the last token read as 0."""
-    pos = rows[:, None] * ROW + torch.arange(ROW, device=rows.device)
-    return torch.where(pos < n, ops(pos.clamp(max=max(n - 1, 0))), 0.0)
+def _gather_rows(x: Tensor, rows: Tensor) -> Tensor:
+    """x in rows of ROW values, for sorted row indices: [len(rows), ROW], zero past the end of x."""
+    n = x.shape[0]
+    whole = n // ROW
+    k = int(torch.searchsorted(rows, whole))  # rows[:k] lie inside x; rows[k] (if any) is the last, partial one
+    out = x.new_zeros(rows.shape[0], ROW)
+    out[:k] = x[: whole * ROW].view(whole, ROW).index_select(0, rows[:k])
+    if k < rows.shape[0]:
+        out[k, : n - whole * ROW] = x[whole * ROW :]
+    return out
 
 
 def _segment_starts(versions: Tensor, response_starts: Tensor) -> Tensor:
@@ -217,27 +233,31 @@ def _segment_starts(versions: Tensor, response_starts: Tensor) -> Tensor:
     return torch.unique(torch.cat([response_starts, changes]))
 
 
-def _segment_sums(ops: OpsFn, row_sums: Tensor, starts: Tensor, n: int) -> Tensor:
-    """Sum of D per segment in float64: whole rows by their row sum, rows split by a boundary token-wise."""
+def _segment_sums(ops: _Source, row_sums: Tensor, starts: Tensor) -> Tensor:
+    """Sum of D per segment in float64: whole rows by their row sum; rows a boundary splits, piece by piece."""
     if not starts.numel():
         return torch.zeros(0, dtype=torch.float64, device=starts.device)
     inner = starts[starts % ROW != 0]  # boundaries inside a row
     split = torch.unique_consecutive(inner // ROW)
     # Whole rows go to the segment holding their first token: rows ceil(s_i / ROW) .. ceil(s_i+1 / ROW) - 1.
-    first_row = -(-torch.cat([starts, starts.new_tensor([n])]) // ROW)
+    first_row = -(-torch.cat([starts, starts.new_tensor([row_sums.shape[0] * ROW])]) // ROW)
     whole = row_sums.double().index_fill_(0, split, 0.0)
     sums = torch.segment_reduce(whole, "sum", lengths=torch.diff(first_row))
-    # A split row's token: the segment of the row's first token, plus the boundaries passed in the row.
-    is_start = torch.zeros(split.shape[0], ROW, dtype=torch.long, device=starts.device)
-    is_start[torch.searchsorted(split, inner // ROW), inner % ROW] = 1
-    token_seg = torch.searchsorted(starts, split * ROW, right=True)[:, None] - 1 + is_start.cumsum(1)
-    return sums.index_add_(0, token_seg.flatten(), _rows(ops, split, n).flatten().double())
+    if not split.numel():
+        return sums
+    # Split rows, laid end to end, cut at their row ends and inner boundaries: each piece is in one segment.
+    k = torch.arange(split.shape[0] + 1, device=starts.device) * ROW
+    cuts = torch.unique(torch.cat([k, torch.searchsorted(split, inner // ROW) * ROW + inner % ROW]))
+    piece_sums = torch.segment_reduce(ops.rows(split).flatten(), "sum", lengths=torch.diff(cuts))
+    piece_first = split[cuts[:-1] // ROW] * ROW + cuts[:-1] % ROW
+    piece_seg = torch.searchsorted(starts, piece_first, right=True) - 1
+    return sums.index_add_(0, piece_seg, piece_sums.double())
 
 
-def _hot_tokens(ops: OpsFn, row_sums: Tensor, t: float, n: int) -> Tensor:
+def _hot_tokens(ops: _Source, row_sums: Tensor, t: float, n: int) -> Tensor:
     """Sorted positions of tokens with D >= t, searched in the rows whose sum reaches t (D >= 0)."""
     rows = torch.nonzero(row_sums >= t).squeeze(1)
-    r, c = torch.nonzero(_rows(ops, rows, n) >= t, as_tuple=True)
+    r, c = torch.nonzero(ops.rows(rows) >= t, as_tuple=True)
     hot = rows[r] * ROW + c
     return hot[hot < n]
 
