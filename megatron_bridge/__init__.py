@@ -1,1 +1,11 @@
-"""Megatron-Core side of RollVerify: conversion, log-probs, routing replay, train step, weight export."""
+"""Megatron-Core side of RollVerify: conversion, log-probs, routing replay, train step, weight export.
+
+Entry points (import the submodules; importing this package pulls in nothing heavy):
+
+* `trainer.MegatronTrainer(model_path, TrainerConfig(...))`: one SPMD rank (world size 1 runs in-process);
+  `spawned.SpawnedTrainer` / `spawned.make_trainer(..., world_size=N)`: N ranks behind the same methods;
+  `loop_adapter.LoopTrainer`: the loop's `rollverify.interfaces.Trainer` over either.
+* `convert`: HF <-> Megatron-Core weights for Qwen3 / Qwen3-MoE (TP, EP, PP), `iter_hf_tensors` streaming.
+* `weight_sync`: `WeightSink` (begin/push/end), in-memory, disk, CUDA IPC and broadcast-channel transports.
+* `replay`: R3 routing replay; `cpu_compat` / `parallel`: Megatron-Core on CPU over gloo.
+"""

@@ -119,10 +119,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro-batch-tokens", type=int, default=2048)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="auto")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads in this process (0: torch's default)")
     p.add_argument("--json", default=None, help="write results here (default: print only)")
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore")
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
 
     if args.model_path:
         targets = [(Path(args.model_path).name, args.model_path)]
