@@ -195,6 +195,13 @@ class Strategy:
     ) -> tuple[Tensor, dict[str, float]]:
         raise NotImplementedError
 
+    def to_state(self) -> dict[str, Any]:
+        """JSON-able state for checkpoints (only conditional switching has any)."""
+        return {}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        pass
+
 
 class OnPolicy(Strategy):
     """Nothing is carried over; anything handed in anyway restarts from its prompt."""
@@ -289,6 +296,12 @@ class Switching(Strategy):
         outcome.stats["switch_estimate"] = self.switch.estimate if self.switch.updates else float("nan")
         outcome.stats["switched"] = float(self.switch.switched)
         return outcome
+
+    def to_state(self) -> dict[str, Any]:
+        return {"switch": self.switch.to_state()}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.switch = ConditionalSwitch.from_state(state["switch"])
 
 
 def make_strategy(mode: str | None = None, cfg: AlgoConfig | None = None, device: str = "cpu") -> Strategy:

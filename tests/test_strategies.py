@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -180,6 +181,11 @@ def test_switching_strategy_goes_on_policy_after_low_acceptance():
     assert second.keep_lengths.tolist() == [2, 0, 1, 0]  # the switching step's verification still applies
     assert strategy.mode == "on_policy" and not strategy.carries_over
     assert strategy.apply(rs, new, 5).keep_lengths.tolist() == [0, 0, 0, 0]
+    # A checkpoint restores the switched state.
+    fresh = make_strategy("rollverify", cfg)
+    fresh.load_state(json.loads(json.dumps(strategy.to_state())))
+    assert fresh.mode == "on_policy" and fresh.switch.reason == strategy.switch.reason
+    assert Partial().to_state() == {}
 
 
 def test_make_strategy_modes():
