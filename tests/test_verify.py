@@ -294,3 +294,19 @@ def test_numpy_inputs_and_list_lengths_work():
         np.array([-1.0, -1.0], np.float32), np.array([-1.0, 5.0], np.float32), np.array([3, 3]), [1, 1]
     )
     assert r.keep_lengths.tolist() == [1, 0]
+
+
+def test_bench_tool_runs_small(tmp_path, monkeypatch, capsys):
+    import json
+    import runpy
+    from pathlib import Path
+
+    out = tmp_path / "bench.json"
+    argv = ["bench_verify.py", "--responses", "16", "--mean-len", "300", "--max-len", "1000", "--repeats", "2",
+            "--ref-tokens", "2000", "--out", str(out)]
+    monkeypatch.setattr("sys.argv", argv)
+    runpy.run_path(str(Path(__file__).parents[1] / "tools" / "bench_verify.py"), run_name="__main__")
+    report = json.loads(out.read_text())
+    assert report["reference_agrees_on_subsample"] and report["responses"] == 16
+    assert {"verify_s_min", "floor_s_min", "x_floor", "x_faster_than_reference"} <= report.keys()
+    assert "memory floor" in capsys.readouterr().out
