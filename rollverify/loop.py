@@ -33,6 +33,7 @@ from rollverify.interfaces import Chunk, RolloutEngine, SamplingParams, Trainer
 from rollverify.losses import grpo_advantages
 from rollverify.strategies import AlgoConfig, ConditionalSwitch, Strategy, Switching, make_strategy
 from rollverify.types import Group, Response
+from rollverify.verify import token_ops
 
 
 @dataclass
@@ -47,6 +48,7 @@ class LoopConfig:
     use_std: bool = True  # GRPO: divide advantages by the group std
     wait_s: float = 0.05  # how long one poll for finished responses blocks
     phase_timeout_s: float = 600.0  # a rollout phase that makes no progress this long is an error
+    monitor_ops: bool = True  # compute OPS of carried-over tokens even in modes that do not verify (partial)
 
 
 @dataclass
@@ -242,10 +244,14 @@ class Loop:
         carried = self.buffer.carried_over()
         stats: dict[str, Any] = {"n_carried": len(carried)}
         if not carried:
-            return {**stats, "acceptance_rate": float("nan"), "kept_whole_rate": float("nan"), "switched": False}
-        new_lp = (
-            self.trainer.compute_logprobs(carried, self.cfg.temperature) if self.strategy.needs_new_logprobs else None
-        )
+            return {**stats, "ops_mean": float("nan"), "acceptance_rate": float("nan"), "kept_whole_rate": float("nan"),
+                "switched": False}
+        new_lp = None
+        if self.strategy.needs_new_logprobs or self.cfg.monitor_ops:
+            new_lp = self.trainer.compute_logprobs(carried, self.cfg.temperature)
+            d = token_ops(torch.from_numpy(np.concatenate([r.logprobs for r in carried])),
+                          torch.from_numpy(np.concatenate(new_lp)))
+            stats["ops_mean"] = float(d[torch.isfinite(d)].mean()) if d.numel() else float("nan")
         outcome = self.strategy.apply(carried, new_lp, self.version)
         decisions = outcome.decisions
         cuts = {
@@ -261,7 +267,7 @@ class Loop:
         s = outcome.stats
         return {
             **stats,
-            "ops_mean": s.get("ops_mean", float("nan")),
+            "ops_mean": stats.get("ops_mean", float("nan")),
             "acceptance_rate": s.get("acceptance_rate", float("nan")),
             "kept_whole_rate": s.get("kept_whole_rate", float("nan")),
             "staleness_max": s.get("staleness_max", 0.0),
@@ -296,6 +302,7 @@ class Loop:
 
 
 def _trained_ops(responses: Sequence[Response], metrics: dict) -> dict[str, float]:
-    """Mean OPS of the trained tokens against the policy that trained on them (old log-probs recomputed)."""
-    value = metrics.get("trained_ops_mean")
+    """Mean OPS of the trained tokens against the policy that trained on them (the trainer's recomputed old
+    log-probs against the engine's), the figure partial rollout lets grow and verification keeps small."""
+    value = metrics.get("mismatch_ops_mean")
     return {"trained_ops_mean": float(value)} if value is not None and math.isfinite(float(value)) else {}
