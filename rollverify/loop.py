@@ -31,7 +31,7 @@ import torch
 from rollverify.buffer import RolloutBuffer
 from rollverify.interfaces import Chunk, RolloutEngine, SamplingParams, Trainer
 from rollverify.losses import grpo_advantages
-from rollverify.strategies import AlgoConfig, ConditionalSwitch, Strategy, Switching, make_strategy
+from rollverify.strategies import AlgoConfig, Strategy, make_strategy
 from rollverify.types import Group, Response
 from rollverify.verify import token_ops
 
@@ -282,21 +282,19 @@ class Loop:
 
     def state(self) -> dict[str, Any]:
         """JSON-able loop state (the buffer and the trainer are saved beside it)."""
-        switch = self.strategy.switch.to_state() if isinstance(self.strategy, Switching) else None
         return {
             "step": self.step,
             "version": self.version,
             "next_group_id": self.next_group_id,
             "ledger": asdict(self.ledger),
-            "switch": switch,
+            "strategy": self.strategy.to_state(),
         }
 
     def restore(self, state: dict[str, Any], buffer: RolloutBuffer) -> None:
         self.step, self.version = int(state["step"]), int(state["version"])
         self.next_group_id = int(state["next_group_id"])
         self.ledger = Ledger(**state["ledger"])
-        if state.get("switch") is not None and isinstance(self.strategy, Switching):
-            self.strategy.switch = ConditionalSwitch.from_state(state["switch"])
+        self.strategy.load_state(state["strategy"])
         self.buffer = buffer
         self.on_engine = set()  # a restored run resubmits everything unfinished from the buffer
 
