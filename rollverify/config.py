@@ -1,0 +1,427 @@
+"""Typed run configuration: YAML file + dotted ``key=value`` overrides, validated before anything starts.
+
+``rollverify train --config configs/tiny_cpu.yaml --out DIR algo.mode=partial trainer.steps=40 seed=1``
+
+A run is expensive (servers, trainer ranks, minutes to days), so every key is checked up front: an unknown key,
+a value of the wrong type or out of range, or an inconsistent combination (parallel sizes that do not divide,
+an eval larger than the run) is a `ConfigError` that names the key and says what is allowed. The `algo`
+section is `rollverify.strategies.AlgoConfig` itself, so the loop and the file share one definition.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib.util
+import math
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from rollverify.strategies import AlgoConfig
+
+
+class ConfigError(ValueError):
+    """A bad config key or value; the message names the key and what is allowed."""
+
+
+def _f(default: Any = dataclasses.MISSING, *, ge=None, gt=None, le=None, lt=None, factory=None) -> Any:
+    """A dataclass field with numeric bounds checked by `_build`."""
+    meta = {k: v for k, v in dict(ge=ge, gt=gt, le=le, lt=lt).items() if v is not None}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+LossKind = Literal["grpo", "ppo", "gspo", "sapo"]
+DecayStyle = Literal["constant", "linear", "cosine"]
+Dtype = Literal["auto", "float32", "bfloat16"]
+
+
+@dataclass
+class ModelConfig:
+    """The policy: a local HF checkpoint (`path`), or the project's tiny model when `path` is null."""
+
+    path: str | None = None  # local folder with config.json + safetensors; never downloaded
+    dtype: Dtype = "auto"  # auto: float32 on CPU, bfloat16 on GPU (engine and trainer alike)
+    # --- tiny model (path: null) ---
+    moe: bool = False  # tiny Qwen3-MoE (8 experts, top-2) instead of dense Qwen3
+    tiny_seed: int = _f(0, ge=0)
+    task: str | None = "auto"  # warm-start task; auto: task.name when it is synthetic; null: no warm start
+    tiny_overrides: dict[str, Any] = _f(factory=dict)  # other TinyModelSpec fields, e.g. {hidden_size: 128}
+
+    def tiny_spec(self) -> dict[str, Any]:
+        """Keyword arguments of `TinyModelSpec` (after `RunConfig.from_dict` / `load_config` resolved `task`)."""
+        if self.task == "auto":
+            raise ValueError(
+                "model.task is still 'auto': build the config with load_config or RunConfig.from_dict"
+            )
+        return {"moe": self.moe, "seed": self.tiny_seed, "task": self.task, **self.tiny_overrides}
+
+
+@dataclass
+class TaskConfig:
+    """Where prompts come from and how responses are scored (`rollverify.tasks`)."""
+
+    name: str = "countdown"  # a registered task: countdown, countdown_short, math
+    options: dict[str, Any] = _f(factory=dict)  # task arguments, e.g. {train_path: data/dapo.parquet}
+
+
+@dataclass
+class RolloutConfig:
+    """SGLang rollout: servers, GRPO batch shape, sampling, concurrency."""
+
+    n_servers: int = _f(1, ge=1)  # servers launched by `rollverify train` (ignored with endpoints)
+    endpoints: list[str] = _f(factory=list)  # connect to running servers instead of launching
+    batch_groups: int = _f(8, ge=1)  # B: finished groups per optimizer step
+    n: int = _f(4, ge=2)  # responses per prompt (GRPO group size)
+    max_new_tokens: int = _f(256, ge=1)
+    temperature: float = _f(1.0, gt=0.0)
+    # Responses generated at once over all servers. Above B*n it over-provisions: extra groups run while the
+    # slow tail finishes, which is where partial rollout gains its speed.
+    max_live: int = _f(64, ge=1)
+    engine_args: dict[str, Any] = _f(
+        factory=dict
+    )  # SGLang ServerArgs, e.g. {tp_size: 4, max_total_tokens: 8192}
+
+
+@dataclass
+class TrainerConfig:
+    """Megatron-Core trainer: optimiser, policy loss, parallel layout."""
+
+    steps: int = _f(40, ge=1)  # optimizer steps (= policy versions) of the run
+    lr: float = _f(1e-6, gt=0.0)  # the paper's 1e-6; the tiny CPU model needs ~1e-4
+    min_lr: float = _f(0.0, ge=0.0)
+    lr_warmup_steps: int = _f(0, ge=0)
+    lr_decay_style: DecayStyle = "constant"
+    weight_decay: float = _f(0.0, ge=0.0)
+    grad_clip: float = _f(1.0, gt=0.0)
+    loss: LossKind = "grpo"  # grpo (= ppo: PPO surrogate on GRPO advantages), gspo, sapo
+    eps_low: float = _f(0.2, ge=0.0, lt=1.0)  # decoupled clipping: ratio in [1 - eps_low, 1 + eps_high]
+    eps_high: float = _f(0.3, ge=0.0)
+    dual_clip_c: float = _f(3.0, gt=1.0)  # dual-clip bound for negative advantages; inf: off
+    use_tis: bool = True
+    tis_cap: float = _f(2.0, gt=0.0)  # truncated importance sampling cap C; inf: untruncated
+    gspo_eps_low: float = _f(3e-4, ge=0.0)
+    gspo_eps_high: float = _f(4e-4, ge=0.0)
+    sapo_tau_pos: float = _f(1.0, gt=0.0)
+    sapo_tau_neg: float = _f(1.05, gt=0.0)
+    adv_use_std: bool = True  # GRPO: divide advantages by the group std (false: Dr. GRPO)
+    tp: int = _f(1, ge=1)  # tensor parallel
+    pp: int = _f(1, ge=1)  # pipeline parallel
+    ep: int = _f(1, ge=1)  # expert parallel (carved out of tp*dp, as in Megatron-Core)
+    dp: int = _f(1, ge=1)  # data parallel; world size = tp * pp * dp
+    micro_batch_tokens: int = _f(4096, ge=1)  # packed tokens per micro-batch
+    replay_verify: bool = False  # MoE: replay the engine's routes when computing log-probs for verification
+    replay_train: bool = True  # MoE: routing replay (R3) for the old-log-prob recompute and the training step
+
+    @property
+    def loss_kind(self) -> str:
+        """The name `megatron_bridge.trainer.LossConfig.kind` uses (grpo's surrogate is ppo's)."""
+        return "ppo" if self.loss == "grpo" else self.loss
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+@dataclass
+class EvalConfig:
+    """Held-out reward, sampled with the current policy."""
+
+    every: int = _f(10, ge=0)  # steps between evaluations (and at the last step); 0: never
+    n_prompts: int = _f(64, ge=1)
+    temperature: float = _f(1.0, gt=0.0)
+
+
+@dataclass
+class LogConfig:
+    """What the run directory gets besides metrics.jsonl and summary.json."""
+
+    tensorboard: bool = True  # event files under DIR/tensorboard
+    plots: bool = True  # PNGs under DIR/plots at the end of the run
+    wandb: bool = False  # needs the wandb package; offline unless wandb_mode says otherwise
+    wandb_project: str = "rollverify"
+    wandb_mode: Literal["offline", "online"] = "offline"
+    run_name: str | None = None
+    checkpoint_every: int = _f(0, ge=0)  # steps between checkpoints (DIR/checkpoint); 0: never
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "task": TaskConfig,
+    "rollout": RolloutConfig,
+    "algo": AlgoConfig,
+    "trainer": TrainerConfig,
+    "eval": EvalConfig,
+    "log": LogConfig,
+}
+TOP_LEVEL = ("seed",)
+
+
+@dataclass
+class RunConfig:
+    """One run: the sections above plus the seed every random choice derives from."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    seed: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], *, check_task: bool = True) -> RunConfig:
+        """Validate and build; `check_task=False` skips building the task (it may read a data file)."""
+        if not isinstance(raw, dict):
+            raise ConfigError(f"a config must be a mapping of sections, got {type(raw).__name__}")
+        allowed = list(SECTIONS) + list(TOP_LEVEL)
+        for key in raw:
+            if key not in allowed:
+                raise ConfigError(
+                    f"unknown config section {key!r}{_suggest(key, allowed)}; allowed: {', '.join(allowed)}"
+                )
+        kw: dict[str, Any] = {}
+        for name, cls_ in SECTIONS.items():
+            section = raw.get(name) or {}
+            if not isinstance(section, dict):
+                raise ConfigError(f"{name}: expected a mapping of settings, got {section!r}")
+            kw[name] = _build(cls_, section, name)
+        if "seed" in raw:
+            kw["seed"] = _coerce(raw["seed"], int, "seed")
+            if kw["seed"] < 0:
+                raise ConfigError(f"seed: must be >= 0, got {kw['seed']}")
+        cfg = cls(**kw)
+        cfg._check(check_task)
+        return cfg
+
+    def _check(self, check_task: bool) -> None:
+        """Rules that span keys or sections."""
+        from rollverify.tasks import get_task, synthetic_task_names, task_names
+
+        r, t, m = self.rollout, self.trainer, self.model
+        if self.task.name not in task_names():
+            raise ConfigError(
+                f"task.name: unknown task {self.task.name!r}; registered: {', '.join(task_names())}"
+            )
+        if check_task:
+            try:
+                get_task(self.task.name, **self.task.options)
+            except (ValueError, FileNotFoundError) as e:
+                raise ConfigError(f"task.options: {e}") from None
+        if m.task == "auto":
+            m.task = self.task.name if (m.path is None and self.task.name in synthetic_task_names()) else None
+        elif m.task is not None and m.task not in synthetic_task_names():
+            raise ConfigError(
+                f"model.task: {m.task!r} is not a synthetic task (no demonstrations to warm-start on); "
+                f"allowed: {', '.join(synthetic_task_names())} or null"
+            )
+        if m.path is not None and (m.moe or m.tiny_overrides):
+            raise ConfigError(
+                "model.moe / model.tiny_overrides describe the tiny model; drop them with model.path"
+            )
+        if m.tiny_overrides:
+            from rollverify.tiny_model import TinyModelSpec
+
+            hints = typing.get_type_hints(TinyModelSpec)
+            names = [f.name for f in fields(TinyModelSpec) if f.name not in ("moe", "seed", "task", "extra")]
+            for k, v in m.tiny_overrides.items():
+                if k not in names:
+                    raise ConfigError(
+                        f"model.tiny_overrides.{k}: not a tiny-model setting; allowed: {', '.join(names)}"
+                    )
+                m.tiny_overrides[k] = _coerce(v, hints[k], f"model.tiny_overrides.{k}")
+        if not r.endpoints and r.n_servers < 1:
+            raise ConfigError(
+                "rollout.n_servers: must be >= 1 unless rollout.endpoints lists running servers"
+            )
+        if r.max_live < r.n:
+            raise ConfigError(
+                f"rollout.max_live: must be >= rollout.n ({r.n}) so one group fits, got {r.max_live}"
+            )
+        if (t.tp * t.dp) % t.ep:
+            raise ConfigError(f"trainer.ep: must divide tp*dp = {t.tp * t.dp} (Megatron-Core), got {t.ep}")
+        if t.ep > 1 and m.path is None and not m.moe:
+            raise ConfigError("trainer.ep: expert parallelism needs an MoE model (model.moe: true)")
+        if t.min_lr > t.lr:
+            raise ConfigError(f"trainer.min_lr: must be <= trainer.lr ({t.lr}), got {t.min_lr}")
+        if self.log.wandb and importlib.util.find_spec("wandb") is None:
+            raise ConfigError(
+                "log.wandb: true needs the wandb package, which is not installed; set log.wandb=false"
+            )
+
+
+def _suggest(key: str, allowed: list[str]) -> str:
+    close = difflib.get_close_matches(key, allowed, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(map(str, typing.get_args(tp)))
+    if origin in (typing.Union, types.UnionType):
+        parts = [_describe(a) for a in typing.get_args(tp) if a is not type(None)]
+        return " or ".join(parts) + (" or null" if type(None) in typing.get_args(tp) else "")
+    if origin in (list, tuple):
+        return "a list"
+    if origin is dict or tp is dict:
+        return "a mapping"
+    return {bool: "true or false", int: "an integer", float: "a number (inf allowed)", str: "a string"}.get(
+        tp, str(tp)
+    )
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """`value` as type `tp`, or a ConfigError naming `key` and what it accepts."""
+    origin = typing.get_origin(tp)
+    bad = ConfigError(f"{key}: expected {_describe(tp)}, got {value!r}")
+    if tp is Any:
+        return value
+    if origin is Literal:
+        if value in typing.get_args(tp) and not isinstance(value, bool):
+            return value
+        raise bad
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+            raise bad
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, key)
+            except ConfigError:
+                pass
+        raise bad
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise bad
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise bad
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 1e-6 and inf as strings
+            try:
+                return float(value.strip())
+            except ValueError:
+                raise bad from None
+        raise bad
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise bad
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise bad
+        (elem,) = typing.get_args(tp)[:1] or (Any,)
+        return [_coerce(v, elem, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise bad
+        return dict(value)
+    raise TypeError(f"config type {tp!r} of {key} is not supported")
+
+
+def _build(cls: type, raw: dict[str, Any], prefix: str) -> Any:
+    """An instance of the dataclass `cls` from `raw`, checking names, types and bounds."""
+    hints = typing.get_type_hints(cls)
+    flds = {f.name: f for f in fields(cls) if f.init}
+    kw = {}
+    for key, value in raw.items():
+        if key not in flds:
+            names = list(flds)
+            raise ConfigError(
+                f"unknown config key {prefix}.{key}{_suggest(key, names)}; allowed in {prefix}: {', '.join(names)}"
+            )
+        name = f"{prefix}.{key}"
+        v = _coerce(value, hints[key], name)
+        meta = flds[key].metadata
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            if math.isnan(v):
+                raise ConfigError(f"{name}: must be a number, got nan")
+            for op, bound, ok in (
+                (">=", meta.get("ge"), lambda a, b: a >= b),
+                (">", meta.get("gt"), lambda a, b: a > b),
+                ("<=", meta.get("le"), lambda a, b: a <= b),
+                ("<", meta.get("lt"), lambda a, b: a < b),
+            ):
+                if bound is not None and not ok(v, bound):
+                    raise ConfigError(f"{name}: must be {op} {bound}, got {v}")
+        kw[key] = v
+    try:
+        return cls(**kw)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as e:  # AlgoConfig's own checks name the key already
+        raise ConfigError(str(e)) from None
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``a.b=value`` -> (["a", "b"], value parsed as YAML: numbers, true/false, null, lists, strings)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected key=value, e.g. trainer.steps=40")
+    key, _, raw = text.partition("=")
+    path = key.strip().split(".")
+    if not all(path):
+        raise ConfigError(f"override {text!r}: empty part in key {key!r}")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return path, value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """Set each dotted override into the raw (unvalidated) config, creating sections as needed."""
+    for text in overrides:
+        path, value = parse_override(text)
+        cur = raw
+        for i, part in enumerate(path[:-1]):
+            nxt = cur.get(part)
+            if nxt is None:
+                nxt = cur[part] = {}
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"override {text!r}: {'.'.join(path[: i + 1])} is not a section")
+            cur = nxt
+        cur[path[-1]] = value
+    return raw
+
+
+def load_config(
+    path: str | Path | None, overrides: list[str] | tuple[str, ...] = (), *, check_task: bool = True
+) -> RunConfig:
+    """Read a YAML config (None: all defaults), apply overrides, validate."""
+    raw: Any = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file {path} does not exist")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    try:
+        return RunConfig.from_dict(apply_overrides(raw, list(overrides)), check_task=check_task)
+    except ConfigError as e:
+        where = f"{path}: " if path is not None else ""
+        raise ConfigError(f"{where}{e}") from None

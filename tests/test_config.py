@@ -1,0 +1,191 @@
+"""Run config: YAML + dotted overrides, typed and validated before anything starts; the shipped configs."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from rollverify.config import ConfigError, RunConfig, load_config, parse_override
+from rollverify.strategies import AlgoConfig
+from rollverify.tiny_model import TinyModelSpec
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def test_tiny_cpu_config():
+    cfg = load_config(CONFIGS / "tiny_cpu.yaml")
+    assert isinstance(cfg.algo, AlgoConfig)  # the loop's own dataclass, not a copy
+    assert cfg.algo.mode == "rollverify" and cfg.algo.d_s == 0.01 and cfg.algo.d_t == 2.0
+    assert cfg.task.name == "countdown" and cfg.model.path is None
+    assert cfg.model.task == "countdown"  # auto: warm-start on the synthetic task
+    TinyModelSpec(**cfg.model.tiny_spec())
+    assert cfg.rollout.max_new_tokens >= 197  # the longest correct countdown response
+    assert (cfg.trainer.eps_low, cfg.trainer.eps_high, cfg.trainer.tis_cap) == (0.2, 0.3, 2.0)
+    assert cfg.trainer.world_size == 1 and cfg.trainer.loss_kind == "ppo"
+    # every key of the file is a real key with its documented default, except what the CPU default changes
+    defaults = RunConfig.from_dict({}).to_dict()
+    changed = {
+        (s, k)
+        for s, sec in cfg.to_dict().items()
+        if isinstance(sec, dict)
+        for k, v in sec.items()
+        if defaults[s][k] != v
+    }
+    assert changed <= {
+        ("rollout", "max_new_tokens"),
+        ("rollout", "engine_args"),
+        ("trainer", "lr"),
+        ("eval", "every"),
+        ("log", "checkpoint_every"),
+    }, changed
+
+
+def test_round_trip_through_json():
+    cfg = load_config(CONFIGS / "tiny_cpu.yaml", ["algo.d_t=inf"])
+    raw = json.loads(json.dumps(cfg.to_dict()))
+    assert RunConfig.from_dict(raw).to_dict() == cfg.to_dict()
+
+
+@pytest.mark.parametrize("name", ["qwen3_8b_base", "qwen3_30b_a3b_base"])
+def test_paper_configs(name):
+    cfg = load_config(CONFIGS / f"{name}.yaml", check_task=False)  # their data files are not here
+    r, t, a = cfg.rollout, cfg.trainer, cfg.algo
+    assert (r.batch_groups, r.n) == (128, 8)
+    assert r.max_new_tokens + 2048 == 32768 == r.engine_args["context_length"]
+    assert t.lr == 1e-6 and (t.eps_low, t.eps_high, t.tis_cap, t.dual_clip_c) == (0.2, 0.3, 2.0, 3.0)
+    assert t.steps == 500 and t.loss == "grpo" and t.use_tis
+    assert (a.mode, a.d_s, a.d_t, a.switch_window, a.switch_tau) == ("rollverify", 0.01, 2.0, 8, 0.5)
+    assert a.seq_stage and a.token_stage and a.conditional_switch
+    assert cfg.model.dtype == "bfloat16" and cfg.model.path and cfg.model.task is None
+    assert cfg.task.name == "math" and cfg.task.options["train_path"].endswith(".parquet")
+    assert t.world_size == 32
+    assert r.n_servers * r.engine_args["tp_size"] == 32
+    if "a3b" in name:
+        assert t.ep > 1 and t.replay_train and (t.tp * t.dp) % t.ep == 0
+
+
+def test_overrides():
+    cfg = load_config(
+        CONFIGS / "tiny_cpu.yaml",
+        [
+            "algo.mode=partial",
+            "algo.d_s=0.02",
+            "algo.d_t=inf",
+            "trainer.steps=40",
+            "seed=1",
+            "trainer.lr=1e-5",  # YAML 1.1 reads this as a string; the float field takes it
+            "trainer.dual_clip_c=.inf",
+            "rollout.engine_args.max_total_tokens=1024",
+            "task.options.k_max=16",
+            "log.run_name=null",
+            "model.tiny_overrides.hidden_size=128",
+            "eval.every=0",
+        ],
+    )
+    assert cfg.algo.mode == "partial" and cfg.algo.d_s == 0.02 and math.isinf(cfg.algo.d_t)
+    assert cfg.trainer.steps == 40 and cfg.seed == 1 and cfg.trainer.lr == 1e-5
+    assert math.isinf(cfg.trainer.dual_clip_c)
+    assert cfg.rollout.engine_args == {"max_total_tokens": 1024, "max_running_requests": 64}
+    assert cfg.task.options == {"k_max": 16} and cfg.log.run_name is None and cfg.eval.every == 0
+    assert cfg.model.tiny_spec()["hidden_size"] == 128
+    assert load_config(None).algo == AlgoConfig()  # no file: all defaults
+    assert parse_override("a.b=[1, 2]") == (["a", "b"], [1, 2])
+    assert parse_override("x=") == (["x"], "")
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            "trainer.lrr=1",
+            r"unknown config key trainer\.lrr \(did you mean 'lr'\?\); allowed in trainer: steps, lr,",
+        ),
+        ("algo.dd=1", r"unknown config key algo\.dd; allowed in algo: mode, d_s, d_t"),
+        (
+            "trainr.lr=1",
+            r"unknown config section 'trainr' \(did you mean 'trainer'\?\); allowed: model, task",
+        ),
+        ("rollout.n=abc", r"rollout\.n: expected an integer, got 'abc'"),
+        ("trainer.steps=true", r"trainer\.steps: expected an integer, got True"),
+        ("trainer.steps=2.5", r"trainer\.steps: expected an integer, got 2\.5"),
+        ("trainer.lr=fast", r"trainer\.lr: expected a number \(inf allowed\), got 'fast'"),
+        ("trainer.lr=nan", r"trainer\.lr: must be a number, got nan"),
+        ("trainer.lr=0", r"trainer\.lr: must be > 0\.0, got 0"),
+        ("trainer.eps_low=1.5", r"trainer\.eps_low: must be < 1\.0, got 1\.5"),
+        ("trainer.dual_clip_c=1", r"trainer\.dual_clip_c: must be > 1\.0"),
+        ("rollout.temperature=0", r"rollout\.temperature: must be > 0\.0"),
+        ("rollout.n=1", r"rollout\.n: must be >= 2, got 1"),
+        ("trainer.loss=ppo2", r"trainer\.loss: expected one of grpo, ppo, gspo, sapo, got 'ppo2'"),
+        ("trainer.lr_decay_style=step", r"trainer\.lr_decay_style: expected one of constant, linear, cosine"),
+        ("model.dtype=fp8", r"model\.dtype: expected one of auto, float32, bfloat16"),
+        ("algo.mode=bogus", r"algo\.mode must be one of .*on_policy.*rollverify.*got 'bogus'"),
+        ("algo.switch_tau=2", r"algo\.switch_tau must be a number in \[0, 1\]"),
+        ("algo.switch_estimator=median", r"algo\.switch_estimator must be one of"),
+        ("algo.seq_stage=1", r"algo\.seq_stage: expected true or false, got 1"),
+        ("rollout.engine_args=5", r"rollout\.engine_args: expected a mapping, got 5"),
+        ("rollout.endpoints=tcp://x", r"rollout\.endpoints: expected a list"),
+        ("seed=-1", r"seed: must be >= 0"),
+        ("seed=x", r"seed: expected an integer"),
+        ("trainer.ep=3", r"trainer\.ep: must divide tp\*dp = 1"),
+        ("rollout.max_live=3", r"rollout\.max_live: must be >= rollout\.n \(4\)"),
+        ("trainer.min_lr=1", r"trainer\.min_lr: must be <= trainer\.lr"),
+        ("task.name=sudoku", r"task\.name: unknown task 'sudoku'; registered: .*countdown"),
+        ("task.options.k_min=100", r"task\.options: .*k_min"),
+        ("task.options.colour=1", r"task\.options: task 'countdown': bad options"),
+        ("model.task=math", r"model\.task: 'math' is not a synthetic task"),
+        (
+            "model.tiny_overrides.hidden=1",
+            r"model\.tiny_overrides\.hidden: not a tiny-model setting; allowed: vocab_size",
+        ),
+        ("model.tiny_overrides.num_layers=two", r"model\.tiny_overrides\.num_layers: expected an integer"),
+        ("seed.x=1", r"override 'seed\.x=1': seed is not a section"),
+        ("trainer.steps", r"override 'trainer\.steps': expected key=value"),
+        ("trainer..steps=1", r"empty part in key"),
+    ],
+)
+def test_bad_values_name_the_key(override, message):
+    with pytest.raises(ConfigError, match=message) as info:
+        load_config(CONFIGS / "tiny_cpu.yaml", [override])
+    assert str(info.value).startswith(str(CONFIGS / "tiny_cpu.yaml"))
+
+
+def test_cross_section_rules():
+    with pytest.raises(ConfigError, match=r"trainer\.ep: expert parallelism needs an MoE model"):
+        load_config(None, ["trainer.dp=2", "trainer.ep=2"])
+    cfg = load_config(None, ["trainer.dp=2", "trainer.ep=2", "model.moe=true"])
+    assert cfg.trainer.world_size == 2
+    if importlib.util.find_spec("wandb") is None:
+        with pytest.raises(ConfigError, match="log.wandb: true needs the wandb package"):
+            load_config(None, ["log.wandb=true"])
+    with pytest.raises(ConfigError, match=r"model\.moe / model\.tiny_overrides describe the tiny model"):
+        load_config(None, ["model.path=/m", "model.moe=true"])
+    no_task = load_config(
+        None, ["task.name=math", "task.options.train_path=/nowhere.parquet"], check_task=False
+    )
+    assert no_task.model.task is None
+    with pytest.raises(ConfigError, match=r"task\.options: prompt file /nowhere\.parquet does not exist"):
+        load_config(None, ["task.name=math", "task.options.train_path=/nowhere.parquet"])
+
+
+def test_file_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "list.yaml"
+    bad.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="expected a mapping of sections"):
+        load_config(bad)
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("trainer: {steps: [1,\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(broken)
+    scalar_section = tmp_path / "s.yaml"
+    scalar_section.write_text("trainer: 5\n")
+    with pytest.raises(ConfigError, match="trainer: expected a mapping of settings, got 5"):
+        load_config(scalar_section)
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# nothing\n")
+    assert load_config(empty).to_dict() == RunConfig.from_dict({}).to_dict()
