@@ -29,7 +29,7 @@ $(STAMP):
 	@echo "[setup] done: $$(du -sh $(VENV) | cut -f1) in $(VENV)"
 
 demo: setup
-	$(VENV)/bin/rollverify smoke
+	$(VENV)/bin/rollverify demo
 
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -39,8 +39,8 @@ def _train(argv: list[str]) -> int:
     return cli_main(argv)
 
 
-def _smoke(argv: list[str]) -> int:
-    from rollverify.smoke import cli_main
+def _demo(argv: list[str]) -> int:
+    from rollverify.demo import cli_main
 
     return cli_main(argv)
 
@@ -49,7 +49,7 @@ COMMANDS = {
     "make-tiny-model": _make_tiny_model,
     "serve": _serve,
     "train": _train,
-    "smoke": _smoke,
+    "demo": _demo,
 }
 
 

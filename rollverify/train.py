@@ -1,0 +1,282 @@
+"""`rollverify train`: the entry point that wires the loop to real SGLang servers and a Megatron-Core trainer.
+
+This is the one module of `rollverify` that imports `sglang_ext` and `megatron_bridge` (DESIGN.md's dependency
+rule): it reads the config, starts (or connects to) the servers and the trainer, runs `Loop.run_step` for the
+configured steps with evaluation, metrics and checkpoints, and shuts everything down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rollverify.buffer import RolloutBuffer
+from rollverify.config import RunConfig, load_config
+from rollverify.interfaces import SamplingParams
+from rollverify.loop import Loop, LoopConfig
+from rollverify.metrics import MetricsWriter
+from rollverify.tasks import get_task
+from rollverify.types import Group, Response
+
+CKPT = "checkpoint"
+
+
+def resolve_model(cfg: RunConfig) -> Path:
+    """A local checkpoint folder, or the cached tiny model (warm-started on the task) of the CPU default."""
+    if cfg.model.path:
+        path = Path(cfg.model.path)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model.path={path} has no config.json: point it at a local HF checkpoint")
+        return path
+    from rollverify.tiny_model import TinyModelSpec, ensure_tiny_model
+
+    return ensure_tiny_model(TinyModelSpec(**cfg.model.tiny_spec()))
+
+
+class Run:
+    """Everything one training run holds; `close` releases servers and trainer ranks."""
+
+    def __init__(self, cfg: RunConfig, out: Path) -> None:
+        from transformers import AutoTokenizer
+
+        self.cfg, self.out = cfg, out
+        self.model_path = resolve_model(cfg)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.task = get_task(cfg.task.name, **cfg.task.options)
+        self.engine = self._start_engine()
+        try:
+            self.trainer = self._start_trainer()
+            if cfg.rollout.endpoints:
+                self.engine.update_weights(self.trainer.export_weights(), 0)
+        except BaseException:
+            self.engine.close(shutdown=not cfg.rollout.endpoints)
+            raise
+        self._train_examples: list = []
+        self._stream = self.task.stream("train", seed=cfg.seed)
+        r = cfg.rollout
+        self.loop = Loop(
+            LoopConfig(
+                batch_groups=r.batch_groups,
+                n=r.n,
+                max_new_tokens=r.max_new_tokens,
+                temperature=r.temperature,
+                max_live=r.max_live,
+                use_std=cfg.trainer.adv_use_std,
+            ),
+            cfg.algo,
+            self.engine,
+            self.trainer,
+            make_group=self.make_group,
+            reward=self.reward,
+        )
+
+    # --- wiring -------------------------------------------------------------------------------------------
+
+    def _start_engine(self):
+        from sglang_ext import cpu_compat
+        from sglang_ext.launch import launch_server
+        from sglang_ext.rollout_engine import SGLangRolloutEngine
+
+        r = self.cfg.rollout
+        if r.endpoints:  # servers someone else runs: clear them; the trainer's weights are pushed below
+            engine = SGLangRolloutEngine(r.endpoints)
+            engine.reset()
+            return engine
+        cpu_compat.activate()
+        servers = []
+        try:
+            for i in range(r.n_servers):
+                servers.append(
+                    launch_server(
+                        self.model_path,
+                        engine_args=dict(r.engine_args),
+                        log_path=self.out / f"server{i}.log",
+                    )
+                )
+        except BaseException:
+            for s in servers:
+                s.stop()
+            raise
+        return SGLangRolloutEngine([s.endpoint for s in servers], servers=servers)
+
+    def _start_trainer(self):
+        from megatron_bridge.loop_adapter import LoopTrainer
+        from megatron_bridge.spawned import make_trainer
+        from megatron_bridge.trainer import LossConfig, TrainerConfig
+
+        t = self.cfg.trainer
+        tcfg = TrainerConfig(
+            tp=t.tp,
+            ep=t.ep,
+            pp=t.pp,
+            lr=t.lr,
+            min_lr=t.min_lr,
+            lr_warmup_steps=t.lr_warmup_steps,
+            lr_decay_style=t.lr_decay_style,
+            lr_decay_steps=max(1, t.steps),
+            weight_decay=t.weight_decay,
+            clip_grad=t.grad_clip,
+            micro_batch_tokens=t.micro_batch_tokens,
+            replay_verify=t.replay_verify,
+            replay_train=t.replay_train,
+            temperature=self.cfg.rollout.temperature,
+            dtype=self.cfg.model.dtype,
+            seed=self.cfg.seed,
+            loss=LossConfig(
+                kind=t.loss_kind,
+                eps_low=t.eps_low,
+                eps_high=t.eps_high,
+                dual_clip_c=t.dual_clip_c,
+                tis_cap=t.tis_cap,
+                use_tis=t.use_tis,
+                gspo_eps_low=t.gspo_eps_low,
+                gspo_eps_high=t.gspo_eps_high,
+                sapo_tau_pos=t.sapo_tau_pos,
+                sapo_tau_neg=t.sapo_tau_neg,
+            ),
+        )
+        return LoopTrainer(make_trainer(self.model_path, tcfg, world_size=t.world_size))
+
+    def make_group(self, group_id: int) -> Group:
+        while len(self._train_examples) <= group_id:  # group ids index the task's train stream
+            self._train_examples.append(next(self._stream))
+        ex = self._train_examples[group_id]
+        prompt = self.tokenizer(ex.prompt, add_special_tokens=False)["input_ids"]
+        r = self.cfg.rollout
+        return Group.new(group_id, prompt, r.n, r.max_new_tokens, uid=ex.uid, prompt=ex.prompt, label=ex.label)
+
+    def reward(self, group: Group, response: Response) -> float:
+        text = self.tokenizer.decode(response.token_ids.tolist(), skip_special_tokens=False)
+        return float(self.task.reward(group.metadata["prompt"], text, group.metadata["label"]))
+
+    def evaluate(self) -> float:
+        """Mean reward on the held-out split, sampled at the rollout temperature with the current weights."""
+        e = self.cfg.eval
+        examples = self.task.examples("eval", e.n_prompts, seed=self.cfg.seed)
+        prompts = [np.asarray(self.tokenizer(x.prompt, add_special_tokens=False)["input_ids"], np.int32)
+                   for x in examples]
+        outs = self.engine.generate(
+            prompts, self.cfg.rollout.max_new_tokens, SamplingParams(temperature=e.temperature),
+            tag=f"eval{self.loop.step}",
+        )
+        scores = [
+            self.task.reward(x.prompt, self.tokenizer.decode(o.tolist(), skip_special_tokens=False), x.label)
+            for x, o in zip(examples, outs, strict=True)
+        ]
+        return float(np.mean(scores)) if scores else float("nan")
+
+    # --- checkpoints --------------------------------------------------------------------------------------
+
+    def save(self) -> None:
+        d = self.out / CKPT
+        tmp = self.out / (CKPT + ".tmp")
+        tmp.mkdir(parents=True, exist_ok=True)
+        self.trainer.save(str(tmp / "trainer"))
+        self.loop.buffer.save(tmp / "buffer.npz")
+        (tmp / "loop.json").write_text(json.dumps(self.loop.state(), indent=1) + "\n")
+        if d.exists():
+            import shutil
+
+            shutil.rmtree(d)
+        tmp.rename(d)
+
+    def restore(self, src: Path) -> None:
+        d = src / CKPT
+        if not (d / "loop.json").is_file():
+            raise FileNotFoundError(f"--resume {src}: no {CKPT}/loop.json there (was it a run directory?)")
+        self.trainer.load(str(d / "trainer"))
+        self.loop.restore(json.loads((d / "loop.json").read_text()), RolloutBuffer.load(d / "buffer.npz"))
+        # the engines start from the initial weights: bring them to the restored policy
+        self.engine.update_weights(self.trainer.export_weights(), self.loop.version)
+
+    def close(self) -> None:
+        try:
+            close = getattr(self.trainer.trainer, "close", None)
+            if close:
+                close()
+        finally:
+            self.engine.close(shutdown=not self.cfg.rollout.endpoints)
+
+
+def train(cfg: RunConfig, out: str | Path, resume: str | Path | None = None, progress: bool = True) -> dict:
+    """Run `cfg.trainer.steps` steps into `out`; returns the summary."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1) + "\n")
+    run = Run(cfg, out)
+    t_start = time.perf_counter()
+    try:
+        if resume is not None:
+            run.restore(Path(resume))
+        writer = MetricsWriter(
+            out,
+            cfg.log,
+            resume_step=run.loop.step if resume is not None else None,
+            source=resume,
+            config=cfg.to_dict(),
+        )
+        bar = _progress(cfg.trainer.steps, run.loop.step, progress)
+        while run.loop.step < cfg.trainer.steps:
+            metrics = run.loop.run_step().metrics
+            if cfg.eval.every and (run.loop.step % cfg.eval.every == 0 or run.loop.step == cfg.trainer.steps):
+                metrics["eval_reward"] = run.evaluate()
+            writer.write(metrics)
+            if cfg.log.checkpoint_every and run.loop.step % cfg.log.checkpoint_every == 0:
+                run.save()
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(_postfix(metrics))
+        if bar is not None:
+            bar.close()
+        summary = writer.close(extra={"wall_s": time.perf_counter() - t_start, "ledger": asdict(run.loop.ledger)})
+    finally:
+        run.close()
+    return summary
+
+
+def _progress(total: int, start: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=start, desc="rollverify", unit="step", dynamic_ncols=True)
+
+
+def _postfix(m: dict[str, Any]) -> dict[str, str]:
+    keys = ("mode", "reward_mean", "eval_reward", "ops_mean", "acceptance_rate", "step_s")
+    out = {}
+    for k in keys:
+        v = m.get(k)
+        if isinstance(v, float):
+            if math.isnan(v):
+                continue
+            out[k] = f"{v:.3g}"
+        elif v is not None:
+            out[k] = str(v)
+    return out
+
+
+def cli_main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="rollverify train", description=__doc__)
+    p.add_argument("--config", required=True, help="YAML config (configs/tiny_cpu.yaml is the CPU default)")
+    p.add_argument("--out", required=True, help="run directory: metrics.jsonl, summary.json, plots, checkpoint")
+    p.add_argument("--resume", default=None, help="run directory to continue from (its checkpoint/)")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. algo.mode=partial seed=1")
+    a = p.parse_args(argv)
+    try:
+        cfg = load_config(a.config, a.overrides)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    summary = train(cfg, a.out, a.resume, progress=not a.no_progress)
+    print(json.dumps({k: v for k, v in summary.items() if not isinstance(v, dict | list)}, indent=1))
+    return 0
