@@ -10,6 +10,7 @@ from rollverify.tiny_model import TinyModelSpec, build_tokenizer, ensure_tiny_mo
 from rollverify.warm_start import (
     WarmStartRecipe,
     evaluate_reward,
+    recipe_fingerprint,
     sample_responses,
     supervised_warm_start,
     warm_start,
@@ -61,6 +62,11 @@ def test_warm_started_model_beats_base(tiny_dense_path, task, tok):
     prompts = [e.prompt for e in evals[:8]]
     a = sample_responses(warm, tok, prompts, max_new_tokens=40, seed=3)
     assert a == sample_responses(warm, tok, prompts, max_new_tokens=40, seed=3)
+
+
+def test_recipe_fingerprint():
+    assert recipe_fingerprint("countdown") == recipe_fingerprint("countdown")
+    assert recipe_fingerprint("countdown") != recipe_fingerprint("countdown_short")
 
 
 def test_tasks_without_demonstrations_are_refused(tmp_path, tiny_dense_path, tok):
