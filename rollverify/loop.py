@@ -105,6 +105,7 @@ class Loop:
         self.version = 0
         self.next_group_id = 0
         self.on_engine: set[str] = set()  # responses the engine tracks (live, paused or finished, until dropped)
+        self.paused = False  # whether the engine is paused (between a rollout phase and the next)
 
     # --- the loop -------------------------------------------------------------------------------------------
 
@@ -128,13 +129,13 @@ class Loop:
         self.step += 1
         rewards = np.concatenate([g.rewards for g in groups]) if groups else np.zeros(0)
         metrics = {
+            **train_metrics,  # the trainer's own figures first: the loop's names below win
+            **rollout,
+            **verify_metrics,
             "step": self.step,
             "mode": mode,
             "policy_version": self.version,
             "reward_mean": float(rewards.mean()) if rewards.size else float("nan"),
-            **rollout,
-            **train_metrics,
-            **verify_metrics,
             "n_finished_groups": len(groups),
             "rollout_s": t1 - t0,
             "train_s": t2 - t1,
@@ -151,6 +152,7 @@ class Loop:
         carries_over = self.strategy.carries_over
         generated_before = self.ledger.generated_tokens
         self.engine.resume()
+        self.paused = False
         # after a restore or a lost server the engine no longer holds some unfinished responses
         fresh = [buffer.get(p.response_id) for p in buffer.pending() if p.response_id not in self.on_engine]
         self._submit(fresh)
@@ -175,6 +177,7 @@ class Loop:
                     f"({self._num_live()} responses live on the engines)"
                 )
         paused = self.engine.pause() if carries_over else []
+        self.paused = carries_over
         self._record(paused)
         self._record(self.engine.wait_finished(0.0))  # anything that finished while pausing
         return {
@@ -263,6 +266,9 @@ class Loop:
         self.ledger.cut_tokens += cut
         self.ledger.restarted += int(sum(1 for k in outcome.keep_lengths if k == 0))
         if cuts:
+            if not self.paused:  # on_policy: cut responses must not relaunch before the weights move
+                self._record(self.engine.pause())
+                self.paused = True
             self.engine.truncate(cuts)
         s = outcome.stats
         return {

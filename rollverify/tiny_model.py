@@ -45,8 +45,13 @@ class TinyModelSpec:
     extra: dict = field(default_factory=dict)
 
     def digest(self) -> str:
-        blob = json.dumps(asdict(self), sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
+        """Names the cache entry; a warm-started model also hashes its recipe, so a new recipe remakes it."""
+        blob = json.dumps(asdict(self), sort_keys=True)
+        if self.task is not None:
+            from rollverify.warm_start import recipe_fingerprint
+
+            blob += recipe_fingerprint(self.task)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def vocabulary(vocab_size: int) -> list[str]:

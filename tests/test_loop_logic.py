@@ -66,13 +66,14 @@ class ScriptedEngine:
         return out
 
     def pause(self):
+        assert not self.paused, "pause while paused"
         self.paused = True
         return [self._chunk(rid, None) for rid in self.live]
 
     def truncate(self, keep):
         for rid, k in keep.items():
             st = self.tracked[rid]
-            assert self.paused or st["done"], f"truncate of {rid} while it is generating"
+            assert self.paused, f"truncate of {rid} while the engine generates: it would relaunch at once"
             assert k < st["len"], f"no-op truncation of {rid} sent"
             st["len"], st["done"] = k, False
             st["target"] = k + self._target(st["budget"] - k)
