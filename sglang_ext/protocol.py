@@ -1,0 +1,480 @@
+"""Wire format of the control channel: typed message bodies, raw array frames, error codes.
+
+One request is a ZMQ multipart message `[header, *buffers]`; the header is UTF-8 JSON, the buffers are raw
+little-endian array bytes described by the header, so token ids, log-probs, routed experts and weight tensors
+never pass through JSON. Every body is a pydantic model with `extra="forbid"`, so a misspelled field is an error
+reply that names it instead of a silently ignored option. `docs/protocol.md` is the human-readable spec.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+PROTOCOL_VERSION = 1
+MAX_HEADER_BYTES = 16 << 20
+
+# dtypes a buffer may declare; bfloat16 has no numpy type and is only accepted for weight tensors.
+NUMPY_DTYPES = {
+    "int8": np.int8,
+    "uint8": np.uint8,
+    "int16": np.int16,
+    "int32": np.int32,
+    "int64": np.int64,
+    "float16": np.float16,
+    "float32": np.float32,
+    "float64": np.float64,
+}
+ITEMSIZE = {**{k: np.dtype(v).itemsize for k, v in NUMPY_DTYPES.items()}, "bfloat16": 2}
+
+
+class ErrorCode:
+    """Stable error codes: clients branch on these, messages are for people."""
+
+    MALFORMED = "MALFORMED"  # frames or header unreadable, buffer sizes wrong
+    PROTOCOL_VERSION = "PROTOCOL_VERSION"
+    UNKNOWN_TYPE = "UNKNOWN_TYPE"
+    INVALID = "INVALID"  # body does not validate (field, range, dtype, shape)
+    UNKNOWN_RESPONSE = "UNKNOWN_RESPONSE"
+    DUPLICATE_RESPONSE = "DUPLICATE_RESPONSE"
+    KEEP_OUT_OF_RANGE = "KEEP_OUT_OF_RANGE"
+    RESPONSE_RUNNING = "RESPONSE_RUNNING"  # needs a paused (or finished) response
+    ALREADY_PAUSED = "ALREADY_PAUSED"
+    NOT_PAUSED = "NOT_PAUSED"
+    BUSY = "BUSY"  # responses are generating; pause first
+    VERSION_MISMATCH = "VERSION_MISMATCH"
+    WEIGHT_INVALID = "WEIGHT_INVALID"  # unknown name, wrong shape or dtype: nothing applied
+    WEIGHT_SEQUENCE = "WEIGHT_SEQUENCE"  # buckets out of order
+    ENGINE_ERROR = "ENGINE_ERROR"
+    SHUTTING_DOWN = "SHUTTING_DOWN"
+
+
+class ProtocolError(Exception):
+    """An error reply: `code` is one of ErrorCode, `message` says what was wrong and where."""
+
+    def __init__(self, code: str, message: str, details: dict | None = None):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.details = details or {}
+
+
+# ---------------------------------------------------------------------------------------------- frames
+
+
+class BufferSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    dtype: str
+    shape: list[int]
+
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * ITEMSIZE[self.dtype]
+
+
+class Header(BaseModel):
+    """Frame 0 of every message, both directions."""
+
+    model_config = ConfigDict(extra="forbid")
+    proto: int
+    id: int | str | None = None
+    type: str | None = None
+    body: dict[str, Any] = Field(default_factory=dict)
+    buffers: list[BufferSpec] = Field(default_factory=list)
+    ok: bool | None = None  # replies only
+    error: dict[str, Any] | None = None  # replies only
+
+
+@dataclass
+class Message:
+    """A decoded message: header plus raw frames keyed by buffer name (decoded to arrays on demand)."""
+
+    header: Header
+    frames: dict[str, tuple[BufferSpec, memoryview]] = field(default_factory=dict)
+
+    @property
+    def body(self) -> dict[str, Any]:
+        return self.header.body
+
+    def has(self, name: str) -> bool:
+        return name in self.frames
+
+    def array(
+        self, name: str, dtypes: Sequence[str], ndim: int | None = None, required: bool = True
+    ) -> np.ndarray | None:
+        """The buffer as a read-only numpy view; its declared dtype must be one of `dtypes`."""
+        if name not in self.frames:
+            if required:
+                raise ProtocolError(ErrorCode.INVALID, f"missing buffer {name!r}")
+            return None
+        spec, raw = self.frames[name]
+        if spec.dtype not in dtypes:
+            raise ProtocolError(
+                ErrorCode.INVALID, f"buffer {name!r} has dtype {spec.dtype}, expected one of {list(dtypes)}"
+            )
+        if ndim is not None and len(spec.shape) != ndim:
+            raise ProtocolError(
+                ErrorCode.INVALID, f"buffer {name!r} has shape {spec.shape}, expected {ndim} dimensions"
+            )
+        return np.frombuffer(raw, dtype=NUMPY_DTYPES[spec.dtype]).reshape(spec.shape)
+
+
+def _as_frame(arr: np.ndarray) -> memoryview:
+    arr = np.ascontiguousarray(arr)
+    if arr.dtype.byteorder == ">":
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    return memoryview(arr.reshape(-1).view(np.uint8))
+
+
+def dtype_name(arr: np.ndarray) -> str:
+    name = np.dtype(arr.dtype).name
+    if name not in NUMPY_DTYPES:
+        raise TypeError(f"arrays of dtype {name} cannot travel on the control channel")
+    return name
+
+
+def encode(header: Header, arrays: dict[str, np.ndarray] | None = None, raw: list | None = None) -> list:
+    """Frames of one message. `arrays` are numpy buffers; `raw` are (BufferSpec, bytes-like) already encoded
+    (weight tensors, whose dtype numpy may lack)."""
+    frames: list = []
+    specs: list[BufferSpec] = []
+    for name, arr in (arrays or {}).items():
+        specs.append(BufferSpec(name=name, dtype=dtype_name(arr), shape=list(arr.shape)))
+        frames.append(_as_frame(arr))
+    for spec, data in raw or []:
+        specs.append(spec)
+        frames.append(data)
+    header = header.model_copy(update={"buffers": specs})
+    return [header.model_dump_json(exclude_none=True).encode(), *frames]
+
+
+def decode(frames: Sequence[Any]) -> Message:
+    """Parse `[header, *buffers]`; raises ProtocolError(MALFORMED or PROTOCOL_VERSION) naming the fault."""
+    if not frames:
+        raise ProtocolError(ErrorCode.MALFORMED, "empty message (no header frame)")
+    head = frames[0]
+    head_bytes = head.bytes if hasattr(head, "bytes") else bytes(head)
+    if len(head_bytes) > MAX_HEADER_BYTES:
+        raise ProtocolError(ErrorCode.MALFORMED, f"header frame of {len(head_bytes)} bytes exceeds the limit")
+    try:
+        obj = json.loads(head_bytes)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ProtocolError(ErrorCode.MALFORMED, f"header frame is not UTF-8 JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(ErrorCode.MALFORMED, "header frame must be a JSON object")
+    if obj.get("proto") != PROTOCOL_VERSION:
+        raise ProtocolError(
+            ErrorCode.PROTOCOL_VERSION,
+            f"protocol version {obj.get('proto')!r} is not supported; this server speaks {PROTOCOL_VERSION}",
+        )
+    try:
+        header = Header.model_validate(obj)
+    except ValidationError as e:
+        raise ProtocolError(ErrorCode.MALFORMED, f"header: {_pydantic_message(e)}") from None
+    if len(frames) - 1 != len(header.buffers):
+        raise ProtocolError(
+            ErrorCode.MALFORMED,
+            f"header declares {len(header.buffers)} buffers but {len(frames) - 1} buffer frames arrived",
+        )
+    msg = Message(header=header)
+    for spec, frame in zip(header.buffers, frames[1:], strict=True):
+        if spec.dtype not in ITEMSIZE:
+            raise ProtocolError(ErrorCode.MALFORMED, f"buffer {spec.name!r}: unknown dtype {spec.dtype!r}")
+        if any(d < 0 for d in spec.shape):
+            raise ProtocolError(
+                ErrorCode.MALFORMED, f"buffer {spec.name!r}: negative dimension in {spec.shape}"
+            )
+        raw = frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
+        if raw.nbytes != spec.nbytes():
+            raise ProtocolError(
+                ErrorCode.MALFORMED,
+                f"buffer {spec.name!r} declares {spec.dtype}{spec.shape} = {spec.nbytes()} bytes "
+                f"but its frame has {raw.nbytes}",
+            )
+        if spec.name in msg.frames:
+            raise ProtocolError(ErrorCode.MALFORMED, f"buffer name {spec.name!r} appears twice")
+        msg.frames[spec.name] = (spec, raw.cast("B") if raw.ndim != 1 or raw.format != "B" else raw)
+    return msg
+
+
+def _pydantic_message(e: ValidationError) -> str:
+    parts = []
+    for err in e.errors()[:5]:
+        loc = ".".join(str(x) for x in err["loc"]) or "(root)"
+        parts.append(f"{loc}: {err['msg']}")
+    more = len(e.errors()) - 5
+    return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
+
+
+def parse_body(model: type[BaseModel], body: dict[str, Any], what: str) -> Any:
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise ProtocolError(ErrorCode.INVALID, f"{what}: {_pydantic_message(e)}") from None
+
+
+def error_header(req_id: Any, typ: str | None, err: ProtocolError) -> Header:
+    return Header(
+        proto=PROTOCOL_VERSION,
+        id=req_id,
+        type=typ,
+        ok=False,
+        error={"code": err.code, "message": err.message, **({"details": err.details} if err.details else {})},
+    )
+
+
+# ---------------------------------------------------------------------------------------------- bodies
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SamplingParams(_Body):
+    """What the engine samples with. Log-probs are of log_softmax(logits / temperature); temperature 0 is
+    greedy decoding and reports log_softmax(logits) (temperature 1). top_p/top_k/min_p truncate sampling but
+    the reported log-prob stays that of the untruncated tempered distribution (keep them off for RL)."""
+
+    temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = -1
+    min_p: float = Field(0.0, ge=0.0, lt=1.0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    sampling_seed: int | None = None
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int) -> int:
+        if v == 0 or v < -1:
+            raise ValueError("top_k must be -1 (off) or >= 1")
+        return v
+
+
+class SubmitItem(_Body):
+    rid: str = Field(min_length=1, max_length=512)
+    prompt_len: int = Field(ge=1)
+    prefix_len: int = Field(0, ge=0)
+    max_new_tokens: int = Field(ge=1)  # budget of the whole response, prefix included
+    sampling: SamplingParams | None = None  # overrides the message's
+
+
+class SubmitBody(_Body):
+    """Buffers: prompt_ids int32[sum prompt_len], prefix_ids int32[sum prefix_len]; optional, aligned with
+    prefix_ids: prefix_logprobs float32, prefix_versions int32, prefix_routed_experts [.., layers, top_k];
+    optional prompt_routed_experts [sum(prompt_len - 1), layers, top_k]."""
+
+    items: list[SubmitItem]
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    expect_version: int | None = None
+
+
+class PauseBody(_Body):
+    pass
+
+
+class ResumeBody(_Body):
+    pass
+
+
+class TruncateBody(_Body):
+    keep: dict[str, int]
+
+
+class DropBody(_Body):
+    rids: list[str] | None = None
+    all: bool = False
+
+
+class FetchBody(_Body):
+    rids: list[str] | None = None  # None: every cached response
+
+
+class EventsBody(_Body):
+    after: int = Field(-1, ge=-1)  # acknowledge every event with seq <= after
+    wait_s: float = Field(0.0, ge=0.0, le=60.0)
+    max_events: int = Field(4096, ge=1)
+
+
+class UpdateWeightsBody(_Body):
+    """One bucket; buffers are the tensors, named by their Hugging Face names."""
+
+    version: int
+    bucket: int = Field(0, ge=0)
+    commit: bool = True
+    flush_cache: bool = True
+
+
+class UpdateWeightsFromDiskBody(_Body):
+    path: str
+    version: int
+
+
+class FlushBody(_Body):
+    pass
+
+
+class StatsBody(_Body):
+    engine: bool = False  # also ask SGLang for its load snapshot (one round trip to the scheduler)
+
+
+class HealthBody(_Body):
+    pass
+
+
+class ShutdownBody(_Body):
+    pass
+
+
+BODIES: dict[str, type[BaseModel]] = {
+    "submit": SubmitBody,
+    "pause": PauseBody,
+    "resume": ResumeBody,
+    "truncate": TruncateBody,
+    "drop": DropBody,
+    "fetch": FetchBody,
+    "events": EventsBody,
+    "update_weights": UpdateWeightsBody,
+    "update_weights_from_disk": UpdateWeightsFromDiskBody,
+    "flush": FlushBody,
+    "stats": StatsBody,
+    "health": HealthBody,
+    "shutdown": ShutdownBody,
+}
+# Answered at once, beside whatever command is executing; everything else runs one at a time in arrival order.
+QUERY_TYPES = frozenset({"events", "stats", "health", "fetch"})
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+# ---------------------------------------------------------------------------------------------- outputs
+
+
+@dataclass
+class Output:
+    """Generated tokens of one response from index `offset` on (a delta, or the whole cache for fetch).
+
+    `routed_experts[j]` are the routes of the forward position whose output distribution sampled token
+    `offset + j` (input position prompt_len + offset + j - 1). `prompt_routed_experts` (only in the first
+    delta of a response submitted without a prefix) cover input positions 0 .. prompt_len - 2, so together
+    they cover every input position of prompt + tokens[:-1], which is what routing replay needs.
+    """
+
+    rid: str
+    offset: int
+    token_ids: np.ndarray  # int32 [n]
+    logprobs: np.ndarray  # float32 [n]
+    versions: np.ndarray  # int32 [n]
+    total_len: int  # generated tokens of the response after this delta
+    finish_reason: str | None = None  # None: still live (paused); else stop | length | error
+    routed_experts: np.ndarray | None = None  # [n, layers, top_k]
+    prompt_routed_experts: np.ndarray | None = None  # [prompt_len - 1, layers, top_k]
+    seq: int | None = None  # event sequence number (events only)
+    error: str | None = None
+    matched_stop: int | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+def encode_outputs(outputs: list[Output]) -> tuple[dict, dict[str, np.ndarray]]:
+    """Pack many outputs into one body and a constant number of buffers (concatenated along tokens)."""
+    items = []
+    for o in outputs:
+        item: dict[str, Any] = {
+            "rid": o.rid,
+            "offset": o.offset,
+            "n": int(len(o.token_ids)),
+            "total": o.total_len,
+        }
+        if o.finish_reason is not None:
+            item["finish"] = o.finish_reason
+        if o.matched_stop is not None:
+            item["matched_stop"] = o.matched_stop
+        if o.error is not None:
+            item["error"] = o.error
+        if o.seq is not None:
+            item["seq"] = o.seq
+        if o.prompt_routed_experts is not None:
+            item["prompt_routes"] = int(o.prompt_routed_experts.shape[0])
+        items.append(item)
+    arrays: dict[str, np.ndarray] = {
+        "token_ids": _cat([o.token_ids for o in outputs], np.int32),
+        "logprobs": _cat([o.logprobs for o in outputs], np.float32),
+        "versions": _cat([o.versions for o in outputs], np.int32),
+    }
+    routes = [o.routed_experts for o in outputs if o.routed_experts is not None]
+    if routes:
+        if len(routes) != len(outputs):
+            raise ValueError("either every output carries routed experts or none does")
+        arrays["routed_experts"] = np.concatenate(routes)
+    prompt_routes = [o.prompt_routed_experts for o in outputs if o.prompt_routed_experts is not None]
+    if prompt_routes:
+        arrays["prompt_routed_experts"] = np.concatenate(prompt_routes)
+    return {"items": items}, arrays
+
+
+def _cat(parts: list[np.ndarray], dtype) -> np.ndarray:
+    if not parts:
+        return np.zeros(0, dtype=dtype)
+    return np.concatenate(parts).astype(dtype, copy=False)
+
+
+ROUTE_DTYPES = ("uint8", "int16", "int32")
+
+
+def decode_outputs(msg: Message) -> list[Output]:
+    """Inverse of encode_outputs; arrays are copies owned by the caller (the frames may be reused)."""
+    items = msg.body.get("items", [])
+    ids = msg.array("token_ids", ["int32"], 1)
+    lps = msg.array("logprobs", ["float32"], 1)
+    vers = msg.array("versions", ["int32"], 1)
+    routes = msg.array("routed_experts", ROUTE_DTYPES, 3, required=False)
+    proutes = msg.array("prompt_routed_experts", ROUTE_DTYPES, 3, required=False)
+    total = sum(int(it["n"]) for it in items)
+    if not (len(ids) == len(lps) == len(vers) == total) or (routes is not None and len(routes) != total):
+        raise ProtocolError(ErrorCode.MALFORMED, "output buffers do not match the item counts")
+    out: list[Output] = []
+    pos = ppos = 0
+    for it in items:
+        n = int(it["n"])
+        sl = slice(pos, pos + n)
+        pr = None
+        if proutes is not None and it.get("prompt_routes") is not None:
+            m = int(it["prompt_routes"])
+            pr = proutes[ppos : ppos + m].copy()
+            ppos += m
+        out.append(
+            Output(
+                rid=it["rid"],
+                offset=int(it["offset"]),
+                token_ids=ids[sl].copy(),
+                logprobs=lps[sl].copy(),
+                versions=vers[sl].copy(),
+                total_len=int(it["total"]),
+                finish_reason=it.get("finish"),
+                routed_experts=None if routes is None else routes[sl].copy(),
+                prompt_routed_experts=pr,
+                seq=it.get("seq"),
+                error=it.get("error"),
+                matched_stop=it.get("matched_stop"),
+            )
+        )
+        pos += n
+    return out
+
+
+def route_dtype(num_experts: int) -> np.dtype:
+    """Smallest integer type that holds an expert index: routes are the bulk of the bytes for MoE."""
+    if num_experts <= 256:
+        return np.dtype(np.uint8)
+    if num_experts <= 32767:
+        return np.dtype(np.int16)
+    return np.dtype(np.int32)
