@@ -137,7 +137,7 @@ class ServerConnection:
             self.sock.close(linger=0)
             self.sock = None
         if self._own_ctx and self._ctx is not None:
-            self._ctx.term()
+            self._ctx.destroy(linger=0)
             self._ctx = None
 
     async def _read(self) -> None:
@@ -174,9 +174,11 @@ class ServerConnection:
         self.bytes_out[typ] = self.bytes_out.get(typ, 0) + sum(memoryview(f).nbytes for f in frames)
         fut = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
-        await self.sock.send_multipart(frames, copy=False)
+        limit = timeout_s or self.timeout_s
         try:
-            msg = await asyncio.wait_for(fut, timeout_s or self.timeout_s)
+            # a DEALER without a connected peer (server down, CURVE handshake refused) blocks on send
+            await asyncio.wait_for(self.sock.send_multipart(frames, copy=False), limit)
+            msg = await asyncio.wait_for(fut, limit)
         except TimeoutError:
             self._pending.pop(rid, None)
             raise ControlError(

@@ -213,7 +213,9 @@ class ControlServer:
             "route_dtype": rs.dtype.name if rs else None,
         }
 
-    def request_stop(self) -> None:
+    def request_stop(self, reason: str = "signal") -> None:
+        if not self._stopping:
+            log.info("stopping (%s)", reason)
         self._stopping = True
         self._stop.set()
 
@@ -227,7 +229,7 @@ class ControlServer:
             prepare()  # SGLang installs its own SIGTERM handler here; ours must come after it
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-                loop.add_signal_handler(sig, self.request_stop)
+                loop.add_signal_handler(sig, self.request_stop, sig.name)
         self._spawn(self._command_worker())
         if self.cfg.exit_with_parent:
             self._spawn(self._watch_parent(os.getppid()))
@@ -259,14 +261,14 @@ class ControlServer:
         self.sock.close(linger=500)
         if self._auth is not None:
             self._auth.stop()
-        self._ctx.term()
+        self._ctx.destroy(linger=0)
+        log.info("control channel closed")
 
     async def _watch_parent(self, parent: int) -> None:
         while not self._stop.is_set():
             await asyncio.sleep(1.0)
             if os.getppid() != parent:
-                log.warning("parent process %d is gone; shutting down", parent)
-                self.request_stop()
+                self.request_stop(f"parent process {parent} is gone")
 
     def _spawn(self, coro) -> asyncio.Task:
         t = asyncio.ensure_future(coro)
@@ -726,7 +728,7 @@ class ControlServer:
         return {"flushed": True}, None, None
 
     async def _op_shutdown(self, body, msg):
-        asyncio.get_running_loop().call_later(0.01, self.request_stop)
+        asyncio.get_running_loop().call_later(0.01, self.request_stop, "shutdown command")
         return {"stopping": True}, None, None
 
     # ------------------------------------------------------------------------------------- queries
@@ -829,7 +831,9 @@ def serve(cfg: ServeConfig) -> None:
         server = ControlServer(cfg, engine)
         engine.loop.run_until_complete(_bind_and_run(server))
     finally:
+        t0 = time.monotonic()
         engine.shutdown()
+        log.info("SGLang shut down in %.1f s", time.monotonic() - t0)
 
 
 async def _bind_and_run(server: ControlServer) -> None:
@@ -915,6 +919,7 @@ def cli_main(argv: list[str] | None = None) -> int:
 
     a = build_parser().parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="[%(asctime)s] %(name)s %(levelname)s: %(message)s")
+    logging.getLogger("sglang_ext").setLevel(logging.INFO)  # our own lifecycle lines, whatever SGLang's level
     try:
         serve(config_from_args(a))
     except (ConfigError, ModelFolderError) as e:
