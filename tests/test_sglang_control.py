@@ -1,0 +1,495 @@
+"""The control channel against the real SGLang engine on CPU (tiny dense and MoE models): pause, truncate,
+resume, weight updates, routed experts, accounting at scale, bad input, authentication."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import numpy as np
+import pytest
+import zmq
+import zmq.asyncio
+from engine_fixtures import hf_forward, reset_server, run, same_routes
+
+from rollverify.tiny_model import TinyModelSpec, ensure_tiny_model
+from sglang_ext.client import (
+    ControlError,
+    CurveKeys,
+    RolloutClient,
+    ServerConnection,
+    SubmitRequest,
+    _encode_submit,
+)
+from sglang_ext.protocol import ErrorCode, decode
+
+pytest_plugins = ["engine_fixtures"]  # the session servers, shared with the other sglang_ext tests
+pytestmark = pytest.mark.engine
+
+TOL = 1e-4
+
+
+@pytest.fixture(params=["dense", "moe"])
+def served(request):
+    return request.getfixturevalue(f"{request.param}_server")
+
+
+async def progress(c: RolloutClient, min_tokens: int, rounds: int = 20) -> None:
+    """Let the engine run until every live response holds at least `min_tokens` (pausing to look)."""
+    for _ in range(rounds):
+        await asyncio.sleep(0.4)
+        await c.pause()
+        live = [tr for tr in c.responses.values() if not tr.finished]
+        if all(len(tr.token_ids) >= min_tokens for tr in live):
+            return
+        await c.resume()
+    raise AssertionError("the engine made no progress")
+
+
+def check_hf(served, tr, temperature=1.0, model=None):
+    lp, routes = hf_forward(model or served.model, tr.prompt_ids, tr.token_ids, temperature)
+    assert np.abs(lp - tr.logprobs).max() <= TOL, f"{tr.rid}: max diff {np.abs(lp - tr.logprobs).max():.2e}"
+    if served.kind == "moe":
+        got = np.concatenate([tr.prompt_routed_experts, tr.routed_experts])
+        assert got.shape[0] == len(tr.prompt_ids) + len(tr.token_ids) - 1
+        assert same_routes(got, routes).all(), f"{tr.rid}: routes differ"
+    return lp
+
+
+def test_pause_returns_partial_outputs_equal_to_hf(served):
+    async def main():
+        await reset_server(served)
+        async with served.client(poll_wait_s=0.2) as c:
+            prompts = [[5, 6, 7], [30, 31, 32, 33, 34, 35, 36], [50], [70, 71, 72, 73]]
+            await c.submit(
+                [SubmitRequest(f"r{i}", p, 400, sampling={"ignore_eos": True}) for i, p in enumerate(prompts)]
+            )
+            await asyncio.sleep(0.5)
+            deltas = await c.pause()
+            assert set(deltas) == {"r0", "r1", "r2", "r3"} and all(not d.finished for d in deltas.values())
+            assert all(d.offset == 0 for d in deltas.values())
+            await c.resume()
+            await progress(c, 4)  # several more pause/resume rounds: partial outputs accumulate
+            outs, _ = await c.servers[0].conn.fetch()
+            for o in outs:
+                tr = c.responses[o.rid]
+                assert 4 <= len(tr.token_ids) < 400 and tr.finish_reason is None
+                assert np.array_equal(o.token_ids, tr.token_ids) and np.array_equal(o.logprobs, tr.logprobs)
+                assert len(tr.logprobs) == len(tr.versions) == len(tr.token_ids)
+                check_hf(served, tr)
+
+    run(main())
+
+
+def test_truncate_then_resume_continues_from_the_kept_prefix(served):
+    """Greedy: a response cut to k tokens and resumed equals continuous generation from that prefix."""
+
+    async def main():
+        await reset_server(served)
+        greedy = {"temperature": 0.0, "ignore_eos": True}
+        async with served.client(poll_wait_s=0.2) as c:
+            await c.submit([SubmitRequest("ref", [9, 10, 11, 12], 40, sampling=greedy)])
+            await c.next_finished(120)
+            await c.submit(
+                [SubmitRequest(f"cut{k}", [9, 10, 11, 12], 40, sampling=greedy) for k in ("0", "half")]
+            )
+            await progress(c, 6)
+            n = len(c.responses["cuthalf"].token_ids)
+            await c.truncate({"cut0": 0, "cuthalf": n // 2})
+            assert len(c.responses["cut0"].token_ids) == 0 and len(c.responses["cuthalf"].token_ids) == n // 2
+            await c.resume()
+            for _ in range(2):
+                await c.next_finished(120)
+            ref = c.responses["ref"]
+            for rid in ("cut0", "cuthalf"):
+                tr = c.responses[rid]
+                assert tr.finish_reason == "length" and np.array_equal(tr.token_ids, ref.token_ids)
+                assert np.abs(tr.logprobs - ref.logprobs).max() <= TOL
+                assert (tr.versions == 0).all()
+                if served.kind == "moe":
+                    assert same_routes(tr.routed_experts, ref.routed_experts).all()
+                    assert np.array_equal(tr.prompt_routed_experts, ref.prompt_routed_experts)
+                check_hf(served, tr, temperature=0.0)
+
+    run(main())
+
+
+def _buckets(path, n=3):
+    import torch
+    from safetensors.numpy import load_file
+
+    tensors = [
+        (k, torch.from_numpy(v.copy())) for k, v in sorted(load_file(str(path / "model.safetensors")).items())
+    ]
+    return [tensors[i::n] for i in range(n)]
+
+
+def test_weight_update_changes_later_logprobs_and_versions(dense_server):
+    served = dense_server
+    new_model = ensure_tiny_model(TinyModelSpec(seed=1))
+
+    async def main():
+        await reset_server(served)
+        async with served.client(poll_wait_s=0.2) as c:
+            reqs = [
+                SubmitRequest(f"w{i}", [40 + i, 41, 42], 30, sampling={"ignore_eos": True}) for i in range(3)
+            ]
+            await c.submit(reqs)
+            await progress(c, 3)
+            before = {r.rid: len(c.responses[r.rid].token_ids) for r in reqs}
+            await c.update_weights(_buckets(new_model), version=1)  # three buckets, the last commits
+            h = await c.health()
+            assert h[0]["version"] == 1
+            await c.resume()
+            for _ in reqs:
+                await c.next_finished(120)
+            for r in reqs:
+                tr, k = c.responses[r.rid], before[r.rid]
+                assert (
+                    len(tr.token_ids) == 30 and (tr.versions[:k] == 0).all() and (tr.versions[k:] == 1).all()
+                )
+                old, _ = hf_forward(served.model, tr.prompt_ids, tr.token_ids)
+                new, _ = hf_forward(new_model, tr.prompt_ids, tr.token_ids)
+                assert np.abs(old[:k] - tr.logprobs[:k]).max() <= TOL  # kept tokens keep their log-probs
+                assert np.abs(new[k:] - tr.logprobs[k:]).max() <= TOL  # later ones are the new policy's
+                assert np.abs(old[k:] - tr.logprobs[k:]).max() > 1e-2
+            # back to the base checkpoint, from disk, as version 2
+            await c.pause()
+            await c.update_weights_from_disk(served.model, version=2)
+            await c.resume()
+            await c.submit([SubmitRequest("after", [40, 41, 42], 12, sampling={"ignore_eos": True})])
+            await c.next_finished(120)
+            tr = c.responses["after"]
+            assert (tr.versions == 2).all()
+            check_hf(served, tr)
+
+    run(main())
+
+
+def test_routed_experts_keep_their_length_through_cycles(moe_server):
+    served = moe_server
+    rng = random.Random(1)
+
+    async def main():
+        await reset_server(served)
+        async with served.client(poll_wait_s=0.2) as c:
+            reqs = [
+                SubmitRequest(f"m{i}", list(range(20, 20 + 2 + i)), 36, sampling={"ignore_eos": True})
+                for i in range(5)
+            ]
+            await c.submit(reqs)
+            for _ in range(3):
+                await progress(c, 2)
+                keep = {
+                    rid: rng.choice([0, len(tr.token_ids) // 2, len(tr.token_ids)])
+                    for rid, tr in c.responses.items()
+                    if not tr.finished
+                }
+                await c.truncate(keep)
+                outs, _ = await c.servers[0].conn.fetch()
+                for o in outs:
+                    tr = c.responses[o.rid]
+                    assert (
+                        len(o.routed_experts)
+                        == len(o.token_ids)
+                        == len(tr.routed_experts)
+                        == len(tr.token_ids)
+                    )
+                    assert np.array_equal(o.routed_experts, tr.routed_experts)
+                await c.resume()
+            while any(not tr.finished for tr in c.responses.values()):
+                await c.next_finished(120)
+            for r in reqs:
+                tr = c.responses[r.rid]
+                assert tr.routed_experts.shape == (36, 2, 2) and tr.prompt_routed_experts.shape == (
+                    len(r.prompt_ids) - 1,
+                    2,
+                    2,
+                )
+                check_hf(served, tr)  # same weights throughout: spliced routes equal one HF forward's
+
+    run(main())
+
+
+def test_200_responses_through_5_cycles_exact_accounting(dense_server, moe_server):
+    """Both servers in one client: nothing lost, nothing duplicated, server and controller agree exactly."""
+    rng = random.Random(0)
+    servers = [dense_server, moe_server]
+
+    async def main():
+        for s in servers:
+            await reset_server(s)
+        stats0 = []
+        c = RolloutClient([s.endpoint for s in servers], curve=[s.curve for s in servers], poll_wait_s=0.2)
+        async with c:
+            for st in await c.stats():
+                stats0.append(st["tokens_generated"])
+            mine: dict[str, list[int]] = {}  # independent copy built from deltas and cuts only
+            delivered = cut = 0
+            finishes: dict[str, int] = {}
+
+            def take(out):
+                nonlocal delivered
+                assert out.offset == len(mine[out.rid]), out.rid
+                mine[out.rid].extend(out.token_ids.tolist())
+                delivered += len(out.token_ids)
+
+            def on_finished(out):
+                take(out)
+                finishes[out.rid] = finishes.get(out.rid, 0) + 1
+
+            c.on_finished = on_finished
+            reqs = []
+            for g in range(50):
+                prompt = [rng.randrange(4, 128) for _ in range(rng.randint(2, 9))]
+                for i in range(4):
+                    reqs.append(SubmitRequest(f"{g}-{i}", prompt, rng.randint(8, 48), group=str(g)))
+            for r in reqs:
+                mine[r.rid] = []
+            await c.submit(reqs, {"temperature": 1.0})
+            assert {c.responses[r.rid].server for r in reqs} == {0, 1}
+            revived = 0
+            for cycle in range(5):
+                await asyncio.sleep(0.3)
+                while sum(finishes.values()) < 8 * (cycle + 1):  # some finish each cycle: revivals below
+                    await c.next_finished(120)
+                deltas = await c.pause()
+                for d in deltas.values():
+                    assert not d.finished and finishes.get(d.rid, 0) == 0, d.rid  # live: not finished before
+                    take(d)
+                keep = {}
+                for rid, tr in c.responses.items():
+                    n = len(tr.token_ids)
+                    if not tr.finished and rng.random() < 0.5:
+                        keep[rid] = rng.randint(0, n)
+                    elif tr.finished and rng.random() < 0.1 and n > 1:
+                        keep[rid] = n - 1  # a finished response cut short lives again
+                        revived += 1
+                        finishes[rid] -= 1
+                for rid, k in keep.items():
+                    cut += len(mine[rid]) - k
+                    del mine[rid][k:]
+                await c.truncate(keep)
+                for s in c.servers:
+                    outs, body = await s.conn.fetch()
+                    assert len(outs) == len(s.rids)
+                    for o, state in zip(outs, body["states"], strict=True):
+                        tr = c.responses[o.rid]
+                        assert o.token_ids.tolist() == mine[o.rid] == tr.token_ids.tolist()
+                        assert np.array_equal(o.logprobs, tr.logprobs) and np.array_equal(
+                            o.versions, tr.versions
+                        )
+                        assert (state == "finished") == tr.finished
+                await c.resume()
+            while sum(finishes.values()) < len(reqs):
+                await c.next_finished(120)
+            await asyncio.sleep(0.3)
+            assert all(v == 1 for v in finishes.values()) and len(finishes) == len(reqs)
+            generated = sum(st["tokens_generated"] for st in await c.stats()) - sum(stats0)
+            assert generated == delivered, "every generated token reached the controller exactly once"
+            assert delivered - cut == sum(len(v) for v in mine.values())
+            for r in reqs:
+                tr = c.responses[r.rid]
+                assert tr.token_ids.tolist() == mine[r.rid]
+                assert len(tr.logprobs) == len(tr.versions) == len(tr.token_ids) <= r.max_new_tokens
+                assert (tr.finish_reason == "length") == (
+                    len(tr.token_ids) == r.max_new_tokens
+                ) or tr.token_ids[-1] == 1
+                assert np.isfinite(tr.logprobs).all() and (tr.logprobs <= 0).all()
+            assert revived > 0
+            await c.drop([r.rid for r in reqs])
+            assert all(st["live"] == 0 and st["finished"] == 0 for st in await c.stats())
+
+    run(main(), 400)
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+
+
+async def _raw(served, frames: list[bytes]):
+    """Send hand-made frames on a fresh authenticated socket and decode the reply."""
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if served.curve is not None:
+        sock.curve_serverkey = served.curve.server_public_key
+        sock.curve_publickey = served.curve.client_public_key
+        sock.curve_secretkey = served.curve.client_secret_key
+    sock.connect(served.endpoint)
+    try:
+        await sock.send_multipart(frames)
+        reply = await asyncio.wait_for(sock.recv_multipart(), 30)
+        return decode(reply).header
+    finally:
+        sock.close()
+        ctx.term()
+
+
+def test_bad_input_gets_a_named_error_and_changes_nothing(dense_server):
+    served = dense_server
+    import torch
+
+    async def main():
+        await reset_server(served)
+        conn = await ServerConnection(served.endpoint, curve=served.curve, timeout_s=60).start()
+        try:
+            await conn.submit(
+                [SubmitRequest(f"b{i}", [10 + i, 11, 12], 200) for i in range(3)], {"ignore_eos": True}
+            )
+            await asyncio.sleep(0.3)
+            await conn.pause()
+            before, _ = await conn.fetch()
+            assert sum(len(o.token_ids) for o in before) > 0
+
+            async def err(code, words, coro):
+                with pytest.raises(ControlError) as e:
+                    await coro
+                assert e.value.code == code and words in e.value.message, e.value
+                return e.value
+
+            # frames
+            for frames, code, words in [
+                ([b"{not json"], ErrorCode.MALFORMED, "not UTF-8 JSON"),
+                (
+                    [
+                        b'{"proto": 1, "id": 5, "type": "stats", "buffers": [{"name": "x", "dtype": "int32", "shape": [4]}]}',
+                        b"1",
+                    ],
+                    ErrorCode.MALFORMED,
+                    "16 bytes but its frame has 1",
+                ),
+                (
+                    [
+                        b'{"proto": 1, "id": 6, "type": "stats", "buffers": [{"name": "x", "dtype": "int32", "shape": [1]}]}'
+                    ],
+                    ErrorCode.MALFORMED,
+                    "1 buffers but 0",
+                ),
+                ([b'{"proto": 2, "id": 7, "type": "stats"}'], ErrorCode.PROTOCOL_VERSION, "speaks 1"),
+                (
+                    [b'{"proto": 1, "id": 8, "type": "launch_missiles"}'],
+                    ErrorCode.UNKNOWN_TYPE,
+                    "launch_missiles",
+                ),
+            ]:
+                h = await _raw(served, frames)
+                assert h.ok is False and h.error["code"] == code and words in h.error["message"], h.error
+            # responses
+            await err(ErrorCode.UNKNOWN_RESPONSE, "'nope'", conn.truncate({"nope": 1, "b0": 0}))
+            await err(ErrorCode.UNKNOWN_RESPONSE, "'nope'", conn.drop(["b1", "nope"]))
+            await err(ErrorCode.UNKNOWN_RESPONSE, "'nope'", conn.fetch(["nope"]))
+            n0 = len(before[0].token_ids)
+            await err(
+                ErrorCode.KEEP_OUT_OF_RANGE,
+                f"keep length {n0 + 1} for response b0 is outside [0, {n0}]",
+                conn.truncate({"b0": n0 + 1}),
+            )
+            await err(ErrorCode.KEEP_OUT_OF_RANGE, "keep length -1", conn.truncate({"b0": -1}))
+            await err(ErrorCode.ALREADY_PAUSED, "already paused", conn.pause())
+            await err(ErrorCode.DUPLICATE_RESPONSE, "b1", conn.submit([SubmitRequest("b1", [1, 2], 5)]))
+            await err(ErrorCode.INVALID, "outside [0, 128)", conn.submit([SubmitRequest("x", [5, 500], 5)]))
+            await err(
+                ErrorCode.INVALID,
+                "leaves no budget",
+                conn.submit([SubmitRequest("x", [5], 2, prefix_ids=[7, 8])]),
+            )
+            body, arrays = _encode_submit([SubmitRequest("x", [5, 6], 5)], None, None)
+            body["sampling"] = {"temperature": 1.0, "frequency_penalty": 0.5}
+            await err(ErrorCode.INVALID, "frequency_penalty", conn.call("submit", body, arrays))
+            await err(
+                ErrorCode.VERSION_MISMATCH,
+                "expects weights version 7",
+                conn.submit([SubmitRequest("x", [5], 5)], expect_version=7),
+            )
+            # weights: nothing is applied unless everything is valid
+            good = [("model.norm.weight", torch.full((64,), 3.0))]
+            await err(
+                ErrorCode.WEIGHT_INVALID,
+                "unknown weight name 'model.nope.weight'",
+                conn.update_weights([("model.nope.weight", torch.zeros(4))], 1),
+            )
+            await err(
+                ErrorCode.WEIGHT_INVALID,
+                "has shape [3, 3] but the model's is [64]",
+                conn.update_weights([("model.norm.weight", torch.zeros(3, 3))], 1),
+            )
+            await err(
+                ErrorCode.WEIGHT_INVALID,
+                "has dtype int32",
+                conn.update_weights([("model.norm.weight", torch.zeros(64, dtype=torch.int32))], 1),
+            )
+            await err(ErrorCode.WEIGHT_SEQUENCE, "expected bucket 0", conn.update_weights(good, 1, bucket=1))
+            await conn.update_weights(good, 1, bucket=0, commit=False)  # staged, valid
+            await err(
+                ErrorCode.WEIGHT_INVALID,
+                "has shape [1]",
+                conn.update_weights([("lm_head.weight", torch.zeros(1))], 1, bucket=1),
+            )
+            await err(
+                ErrorCode.WEIGHT_SEQUENCE, "expected bucket 0", conn.update_weights(good, 1, bucket=2)
+            )  # discarded
+            moe_model = ensure_tiny_model(TinyModelSpec(moe=True))
+            await err(ErrorCode.WEIGHT_INVALID, "missing weight", conn.update_weights_from_disk(moe_model, 1))
+            await err(
+                ErrorCode.WEIGHT_INVALID,
+                "does not exist",
+                conn.update_weights_from_disk("/no/such/folder", 1),
+            )
+            await err(ErrorCode.NOT_PAUSED, "not paused", (await conn.resume(), conn.resume())[1])
+            await err(ErrorCode.BUSY, "pause first", conn.update_weights(good, 1))
+            await err(ErrorCode.RESPONSE_RUNNING, "pause first", conn.truncate({"b0": 0}))
+            await conn.pause()
+            # still serving, old weights, the cache untouched (bar what the resume above generated)
+            health = await conn.health()
+            assert health["ok"] and health["version"] == 0
+            after, _ = await conn.fetch()
+            for a, b in zip(before, after, strict=True):
+                n = len(a.token_ids)
+                assert np.array_equal(a.token_ids, b.token_ids[:n]) and np.array_equal(
+                    a.logprobs, b.logprobs[:n]
+                )
+            await conn.drop(all=True)
+            await conn.resume()
+            await conn.submit([SubmitRequest("check", [40, 41, 42], 10)], {"ignore_eos": True})
+            outs = []
+            after_seq = (await conn.stats())["last_seq"] - 1
+            while not outs:
+                outs, _ = await conn.events(after=after_seq, wait_s=2.0)
+                outs = [o for o in outs if o.rid == "check"]
+            lp, _ = hf_forward(served.model, np.array([40, 41, 42]), outs[0].token_ids)
+            assert np.abs(lp - outs[0].logprobs).max() <= TOL and (outs[0].versions == 0).all()
+        finally:
+            await conn.close()
+
+    run(main())
+
+
+def test_curve_refuses_clients_without_the_right_key(dense_server, tmp_path):
+    from zmq.auth import create_certificates
+
+    served = dense_server
+    _, stranger_secret = create_certificates(str(tmp_path), "stranger")
+    stranger = CurveKeys(served.curve.server_public_key, *_keypair(stranger_secret))
+
+    async def main():
+        for keys in (None, stranger):
+            conn = await ServerConnection(served.endpoint, curve=keys, timeout_s=3).start()
+            try:
+                with pytest.raises(ControlError) as e:
+                    await conn.call("shutdown")
+                assert e.value.code == "UNAVAILABLE"
+            finally:
+                await conn.close()
+        conn = await ServerConnection(served.endpoint, curve=served.curve, timeout_s=30).start()
+        try:
+            assert (await conn.health())["ok"]
+        finally:
+            await conn.close()
+
+    run(main())
+
+
+def _keypair(secret_file):
+    from zmq.auth import load_certificate
+
+    return load_certificate(str(secret_file))
