@@ -36,8 +36,8 @@ def activate() -> bool:
     """Make this process and its future children able to run SGLang on CPU; returns whether it is active."""
     if not use_cpu():
         return False
-    if "sglang" in sys.modules and os.environ.get("SGLANG_USE_CPU_ENGINE") != "1":
-        raise RuntimeError("sglang_ext.cpu_compat.activate() must run before sglang is imported")
+    # Call it before this process imports sglang; servers run in child processes, which the environment below
+    # reaches whatever this process already imported.
     os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
     shim = str(SHIM_DIR)
     parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
