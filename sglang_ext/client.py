@@ -16,6 +16,7 @@ import contextlib
 import itertools
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -204,7 +205,10 @@ class ServerConnection:
 
     async def pause(self) -> tuple[list[Output], dict]:
         msg = await self.call("pause")
-        return decode_outputs(msg), msg.body
+        t0 = time.perf_counter()
+        outs = decode_outputs(msg)
+        msg.body["client_decode_s"] = time.perf_counter() - t0
+        return outs, msg.body
 
     async def resume(self) -> dict:
         return (await self.call("resume")).body
@@ -358,12 +362,15 @@ class TrackedResponse:
                 "OUT_OF_SYNC",
                 f"response {self.rid}: delta starts at {out.offset} but the controller holds {n} tokens",
             )
-        self.token_ids = np.concatenate([self.token_ids, out.token_ids])
-        self.logprobs = np.concatenate([self.logprobs, out.logprobs])
-        self.versions = np.concatenate([self.versions, out.versions])
+        if n == 0:  # the delta's arrays are already this client's own copies
+            self.token_ids, self.logprobs, self.versions = out.token_ids, out.logprobs, out.versions
+        else:
+            self.token_ids = np.concatenate([self.token_ids, out.token_ids])
+            self.logprobs = np.concatenate([self.logprobs, out.logprobs])
+            self.versions = np.concatenate([self.versions, out.versions])
         if out.routed_experts is not None:
-            if self.routed_experts is None:
-                self.routed_experts = out.routed_experts.copy()
+            if self.routed_experts is None or n == 0:
+                self.routed_experts = out.routed_experts
             else:
                 self.routed_experts = np.concatenate([self.routed_experts, out.routed_experts])
         if out.prompt_routed_experts is not None and self.prompt_routed_experts is None:
@@ -578,7 +585,10 @@ class RolloutClient:
         """The final delta of the next response that finished (stop, length or error), in arrival order;
         the whole response is `self.responses[out.rid]`."""
         self._raise_failure()
-        out = await asyncio.wait_for(self._finished.get(), timeout_s)
+        if not self._finished.empty():  # the common case under load: no timer, no task
+            out = self._finished.get_nowait()
+        else:
+            out = await asyncio.wait_for(self._finished.get(), timeout_s)
         if out is None:
             self._raise_failure()
         return out
@@ -605,6 +615,7 @@ class RolloutClient:
         replies = await asyncio.gather(*(s.conn.pause() for s in alive))
         deltas: dict[str, Output] = {}
         self.last_pause = [body for _, body in replies]
+        t0 = time.perf_counter()
         for s, (outs, _) in zip(alive, replies, strict=True):
             s.paused = True
             for out in outs:
@@ -612,6 +623,8 @@ class RolloutClient:
                 if tr is not None:
                     tr.apply(out)
                 deltas[out.rid] = out
+        for body in self.last_pause:
+            body["client_apply_s"] = time.perf_counter() - t0
         await asyncio.gather(
             *(self._await_seq(s, body["event_seq"]) for s, (_, body) in zip(alive, replies, strict=True))
         )

@@ -385,31 +385,29 @@ class Output:
 
 
 def encode_outputs(outputs: list[Output]) -> tuple[dict, dict[str, np.ndarray]]:
-    """Pack many outputs into one body and a constant number of buffers (concatenated along tokens)."""
-    items = []
-    for o in outputs:
-        item: dict[str, Any] = {
-            "rid": o.rid,
-            "offset": o.offset,
-            "n": int(len(o.token_ids)),
-            "total": o.total_len,
-        }
-        if o.finish_reason is not None:
-            item["finish"] = o.finish_reason
-        if o.matched_stop is not None:
-            item["matched_stop"] = o.matched_stop
-        if o.error is not None:
-            item["error"] = o.error
-        if o.seq is not None:
-            item["seq"] = o.seq
-        if o.prompt_routed_experts is not None:
-            item["prompt_routes"] = int(o.prompt_routed_experts.shape[0])
-        items.append(item)
+    """Pack many outputs into one body and a constant number of buffers: per-token arrays concatenated in item
+    order, per-item integers as int32/int64 arrays, only the response ids (and finish reasons) as JSON."""
+    body: dict[str, Any] = {"rids": [o.rid for o in outputs]}
+    if any(o.finish_reason is not None for o in outputs):
+        body["finish"] = [o.finish_reason for o in outputs]
+    errors = {str(i): o.error for i, o in enumerate(outputs) if o.error is not None}
+    if errors:
+        body["errors"] = errors
+    stops = {str(i): o.matched_stop for i, o in enumerate(outputs) if o.matched_stop is not None}
+    if stops:
+        body["matched_stop"] = stops
     arrays: dict[str, np.ndarray] = {
+        "offsets": np.fromiter((o.offset for o in outputs), np.int32, len(outputs)),
+        "counts": np.fromiter((len(o.token_ids) for o in outputs), np.int32, len(outputs)),
+        "totals": np.fromiter((o.total_len for o in outputs), np.int32, len(outputs)),
         "token_ids": _cat([o.token_ids for o in outputs], np.int32),
         "logprobs": _cat([o.logprobs for o in outputs], np.float32),
         "versions": _cat([o.versions for o in outputs], np.int32),
     }
+    if any(o.seq is not None for o in outputs):
+        arrays["seqs"] = np.fromiter(
+            (-1 if o.seq is None else o.seq for o in outputs), np.int64, len(outputs)
+        )
     routes = [o.routed_experts for o in outputs if o.routed_experts is not None]
     if routes:
         if len(routes) != len(outputs):
@@ -417,8 +415,13 @@ def encode_outputs(outputs: list[Output]) -> tuple[dict, dict[str, np.ndarray]]:
         arrays["routed_experts"] = np.concatenate(routes)
     prompt_routes = [o.prompt_routed_experts for o in outputs if o.prompt_routed_experts is not None]
     if prompt_routes:
+        arrays["prompt_route_rows"] = np.fromiter(
+            (-1 if o.prompt_routed_experts is None else len(o.prompt_routed_experts) for o in outputs),
+            np.int32,
+            len(outputs),
+        )
         arrays["prompt_routed_experts"] = np.concatenate(prompt_routes)
-    return {"items": items}, arrays
+    return body, arrays
 
 
 def _cat(parts: list[np.ndarray], dtype) -> np.ndarray:
@@ -432,39 +435,54 @@ ROUTE_DTYPES = ("uint8", "int16", "int32")
 
 def decode_outputs(msg: Message) -> list[Output]:
     """Inverse of encode_outputs; arrays are copies owned by the caller (the frames may be reused)."""
-    items = msg.body.get("items", [])
+    rids = msg.body.get("rids", [])
+    r = len(rids)
+    offsets = msg.array("offsets", ["int32"], 1)
+    counts = msg.array("counts", ["int32"], 1)
+    totals = msg.array("totals", ["int32"], 1)
+    seqs = msg.array("seqs", ["int64"], 1, required=False)
     ids = msg.array("token_ids", ["int32"], 1)
     lps = msg.array("logprobs", ["float32"], 1)
     vers = msg.array("versions", ["int32"], 1)
     routes = msg.array("routed_experts", ROUTE_DTYPES, 3, required=False)
+    prows = msg.array("prompt_route_rows", ["int32"], 1, required=False)
     proutes = msg.array("prompt_routed_experts", ROUTE_DTYPES, 3, required=False)
-    total = sum(int(it["n"]) for it in items)
-    if not (len(ids) == len(lps) == len(vers) == total) or (routes is not None and len(routes) != total):
+    finish = msg.body.get("finish") or [None] * r
+    errors = msg.body.get("errors", {})
+    stops = msg.body.get("matched_stop", {})
+    total = int(counts.sum()) if r else 0
+    sizes_ok = len(offsets) == len(counts) == len(totals) == len(finish) == r and (
+        seqs is None or len(seqs) == r
+    )
+    if (
+        not sizes_ok
+        or not (len(ids) == len(lps) == len(vers) == total)
+        or (routes is not None and len(routes) != total)
+    ):
         raise ProtocolError(ErrorCode.MALFORMED, "output buffers do not match the item counts")
     out: list[Output] = []
     pos = ppos = 0
-    for it in items:
-        n = int(it["n"])
+    for i, rid in enumerate(rids):
+        n = int(counts[i])
         sl = slice(pos, pos + n)
         pr = None
-        if proutes is not None and it.get("prompt_routes") is not None:
-            m = int(it["prompt_routes"])
-            pr = proutes[ppos : ppos + m].copy()
-            ppos += m
+        if prows is not None and proutes is not None and prows[i] >= 0:
+            pr = proutes[ppos : ppos + int(prows[i])].copy()
+            ppos += int(prows[i])
         out.append(
             Output(
-                rid=it["rid"],
-                offset=int(it["offset"]),
+                rid=rid,
+                offset=int(offsets[i]),
                 token_ids=ids[sl].copy(),
                 logprobs=lps[sl].copy(),
                 versions=vers[sl].copy(),
-                total_len=int(it["total"]),
-                finish_reason=it.get("finish"),
+                total_len=int(totals[i]),
+                finish_reason=finish[i],
                 routed_experts=None if routes is None else routes[sl].copy(),
                 prompt_routed_experts=pr,
-                seq=it.get("seq"),
-                error=it.get("error"),
-                matched_stop=it.get("matched_stop"),
+                seq=None if seqs is None or seqs[i] < 0 else int(seqs[i]),
+                error=errors.get(str(i)),
+                matched_stop=stops.get(str(i)),
             )
         )
         pos += n

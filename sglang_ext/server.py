@@ -230,6 +230,9 @@ class ControlServer:
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
                 loop.add_signal_handler(sig, self.request_stop, sig.name)
+        freeze = getattr(self.engine, "freeze_gc", None)
+        if freeze is not None:
+            await freeze()
         self._spawn(self._command_worker())
         if self.cfg.exit_with_parent:
             self._spawn(self._watch_parent(os.getppid()))
@@ -292,23 +295,25 @@ class ControlServer:
             )
             self._send(identity, error_header(msg.header.id, typ, err))
             return
+        received = time.perf_counter()
         if typ in QUERY_TYPES:
-            self._spawn(self._execute(identity, msg))
+            self._spawn(self._execute(identity, msg, received))
         else:
-            self._commands.put_nowait((identity, msg))
+            self._commands.put_nowait((identity, msg, received))
 
     async def _command_worker(self) -> None:
         while True:
-            identity, msg = await self._commands.get()
-            await self._execute(identity, msg)
+            identity, msg, received = await self._commands.get()
+            await self._execute(identity, msg, received)
 
-    async def _execute(self, identity: bytes, msg: Message) -> None:
+    async def _execute(self, identity: bytes, msg: Message, received: float) -> None:
         typ = msg.header.type
         try:
             if self._stopping and typ != "health":
                 raise ProtocolError(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
             body = parse_body(BODIES[typ], msg.body, typ)
             reply_body, arrays, raw = await getattr(self, f"_op_{typ}")(body, msg)
+            reply_body["handled_s"] = time.perf_counter() - received  # arrival to reply, queueing included
             header = Header(proto=PROTOCOL_VERSION, id=msg.header.id, type=typ, ok=True, body=reply_body)
             self._send(identity, header, arrays, raw)
         except ProtocolError as e:
@@ -343,7 +348,7 @@ class ControlServer:
         if self.route_shape is not None:
             # routes of the positions that will sample new tokens; from 0 when the prompt's own are still unknown
             routes_start = 0 if (rec.prompt_routes is None and n == 0) else plen + n - 1
-        sampling = rec.sampling.model_dump(exclude_none=True)
+        sampling = dict(rec.sampling_args)
         sampling["max_new_tokens"] = rec.remaining
         input_ids = np.concatenate([rec.prompt, rec.tokens]).tolist()
         rec.task = self._spawn(self._generate(rec, rec.engine_rid(), input_ids, sampling, routes_start))
@@ -486,6 +491,12 @@ class ControlServer:
                     ErrorCode.INVALID,
                     f"response {it.rid}: prefix_len {it.prefix_len} leaves no budget of max_new_tokens {it.max_new_tokens}",
                 )
+            if ctx and it.prompt_len + it.max_new_tokens > ctx:
+                raise ProtocolError(
+                    ErrorCode.INVALID,
+                    f"response {it.rid}: prompt {it.prompt_len} + max_new_tokens {it.max_new_tokens} exceed the "
+                    f"context length {ctx}",
+                )
             if ctx and it.prompt_len + it.prefix_len >= ctx:
                 raise ProtocolError(
                     ErrorCode.INVALID,
@@ -493,7 +504,12 @@ class ControlServer:
                 )
         p = x = q = 0
         new = []
+        dumped: dict[int, dict] = {}  # one SGLang sampling dict per distinct SamplingParams object
         for it in items:
+            sp = it.sampling or body.sampling
+            args = dumped.get(id(sp))
+            if args is None:
+                args = dumped[id(sp)] = sp.model_dump(exclude_none=True)
             sl, xl = slice(p, p + it.prompt_len), slice(x, x + it.prefix_len)
             ql = slice(q, q + it.prompt_len - 1)
             new.append(
@@ -502,12 +518,13 @@ class ControlServer:
                     prompts[sl],
                     prefixes[xl],
                     it.max_new_tokens,
-                    it.sampling or body.sampling,
+                    sp,
                     self.route_shape,
                     prefix_logprobs=_part(extra["prefix_logprobs"], xl),
                     prefix_versions=_part(extra["prefix_versions"], xl),
                     prefix_routes=_part(extra["prefix_routed_experts"], xl),
                     prompt_routes=_part(extra["prompt_routed_experts"], ql),
+                    sampling_args=args,
                 )
             )
             p, x, q = p + it.prompt_len, x + it.prefix_len, q + it.prompt_len - 1
@@ -572,7 +589,6 @@ class ControlServer:
         live = [r for r in self.records.values() if r.state is State.PAUSED]
         for rec in live:
             self._launch(rec)
-        await asyncio.sleep(0)  # let the launches reach the engine before replying
         return (
             {"resumed": len(live), "version": self.version, "server_s": time.perf_counter() - t0},
             None,

@@ -3,6 +3,10 @@
 Pure bookkeeping (no engine, no sockets), so its invariants are unit-tested alone: tokens, log-probs, versions
 and routed experts of a response always have the same length, truncation cuts them together, and `reported`
 marks what the controller already holds, so every generated token is delivered exactly once.
+
+Each engine request's output is kept as one segment and joined only when needed (a launch, a truncation,
+a fetch): the delta a pause or a finish reports is normally the last segment itself, so reporting copies
+nothing. At 1024 responses per pause this is a measurable share of the channel's own time.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 import numpy as np
 
@@ -23,15 +28,26 @@ class State(StrEnum):
 
 
 @dataclass
+class RouteShape:
+    layers: int
+    top_k: int
+    dtype: np.dtype
+
+
+# one segment: (token ids int32, log-probs float32, versions int32, routes [n, L, K] or None)
+Segment = tuple[np.ndarray, np.ndarray, np.ndarray, "np.ndarray | None"]
+
+
+@dataclass
 class Record:
     rid: str
     prompt: np.ndarray  # int32 [prompt_len]
     max_new_tokens: int  # budget of the whole response, prefix included
     sampling: SamplingParams
-    tokens: np.ndarray  # int32 [n]
-    logprobs: np.ndarray  # float32 [n]; NaN where the controller submitted a prefix without them
-    versions: np.ndarray  # int32 [n]; -1 where unknown
-    routes: np.ndarray | None = None  # [n, layers, top_k]; the dtype's max value where unknown
+    route_shape: RouteShape | None = None
+    sampling_args: dict[str, Any] = field(default_factory=dict)  # SGLang sampling params, shared per submit
+    segments: list[Segment] = field(default_factory=list)
+    n: int = 0
     prompt_routes: np.ndarray | None = None  # [prompt_len - 1, layers, top_k], from the first prefill
     state: State = State.PAUSED
     finish_reason: str | None = None
@@ -45,11 +61,11 @@ class Record:
     launch_version: int = 0
 
     def __len__(self) -> int:
-        return int(self.tokens.shape[0])
+        return self.n
 
     @property
     def remaining(self) -> int:
-        return self.max_new_tokens - len(self)
+        return self.max_new_tokens - self.n
 
     @property
     def live(self) -> bool:
@@ -60,52 +76,96 @@ class Record:
         self.launches += 1
         return f"{self.rid}#{self.launches}"
 
-    def append(
-        self,
-        ids: np.ndarray,
-        logprobs: np.ndarray,
-        version: int,
-        routes: np.ndarray | None,
-    ) -> None:
+    # per-token columns ---------------------------------------------------------------------------------
+
+    def _joined(self) -> Segment:
+        if len(self.segments) != 1:
+            self.segments = [_join(self.segments, self.route_shape, 0)]
+        return self.segments[0]
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return self._joined()[0]
+
+    @property
+    def logprobs(self) -> np.ndarray:
+        return self._joined()[1]
+
+    @property
+    def versions(self) -> np.ndarray:
+        return self._joined()[2]
+
+    @property
+    def routes(self) -> np.ndarray | None:
+        return self._joined()[3]
+
+    def _tail(self, start: int) -> Segment:
+        """Columns from token `start` on; no copy when that is exactly the last segments' boundary."""
+        pos, first = self.n, len(self.segments)
+        while first > 0 and pos > start:
+            first -= 1
+            pos -= len(self.segments[first][0])
+        parts = self.segments[first:]
+        if pos == start and len(parts) == 1:
+            return parts[0]
+        return _join(parts, self.route_shape, start - pos)
+
+    def append(self, ids: np.ndarray, logprobs: np.ndarray, version: int, routes: np.ndarray | None) -> None:
         n = len(ids)
         if len(logprobs) != n or (routes is not None and len(routes) != n):
             raise ValueError(f"response {self.rid}: {n} tokens but {len(logprobs)} log-probs")
-        self.tokens = np.concatenate([self.tokens, ids.astype(np.int32, copy=False)])
-        self.logprobs = np.concatenate([self.logprobs, logprobs.astype(np.float32, copy=False)])
-        self.versions = np.concatenate([self.versions, np.full(n, version, dtype=np.int32)])
-        if self.routes is not None:
+        if n == 0:
+            return
+        rs = self.route_shape
+        if rs is not None:
             if routes is None:
-                routes = np.full(
-                    (n, *self.routes.shape[1:]), np.iinfo(self.routes.dtype).max, self.routes.dtype
-                )
-            self.routes = np.concatenate([self.routes, routes.astype(self.routes.dtype, copy=False)])
+                routes = np.full((n, rs.layers, rs.top_k), np.iinfo(rs.dtype).max, rs.dtype)
+            else:
+                routes = routes.astype(rs.dtype, copy=False)
+        else:
+            routes = None
+        self.segments.append(
+            (
+                ids.astype(np.int32, copy=False),
+                logprobs.astype(np.float32, copy=False),
+                np.full(n, version, dtype=np.int32),
+                routes,
+            )
+        )
+        self.n += n
 
     def truncate(self, keep: int) -> None:
         """Cut to the first `keep` generated tokens; a finished response cut short becomes live again."""
-        if not 0 <= keep <= len(self):
-            raise ValueError(f"keep {keep} outside [0, {len(self)}]")
-        if keep == len(self):
+        if not 0 <= keep <= self.n:
+            raise ValueError(f"keep {keep} outside [0, {self.n}]")
+        if keep == self.n:
             return
-        self.tokens = self.tokens[:keep].copy()
-        self.logprobs = self.logprobs[:keep].copy()
-        self.versions = self.versions[:keep].copy()
-        if self.routes is not None:
-            self.routes = self.routes[:keep].copy()
+        ids, lps, vers, routes = self._joined()
+        self.segments = [
+            (
+                ids[:keep].copy(),
+                lps[:keep].copy(),
+                vers[:keep].copy(),
+                None if routes is None else routes[:keep].copy(),
+            )
+        ]
+        self.n = keep
         self.reported = min(self.reported, keep)
         if self.state is State.FINISHED:
             self.state = State.PAUSED
             self.finish_reason = self.matched_stop = self.error = None
 
-    def _slice(self, start: int, with_prompt_routes: bool, seq: int | None = None) -> Output:
+    def _output(self, start: int, with_prompt_routes: bool, seq: int | None) -> Output:
+        ids, lps, vers, routes = self._tail(start)
         return Output(
             rid=self.rid,
             offset=start,
-            token_ids=self.tokens[start:],
-            logprobs=self.logprobs[start:],
-            versions=self.versions[start:],
-            total_len=len(self),
+            token_ids=ids,
+            logprobs=lps,
+            versions=vers,
+            total_len=self.n,
             finish_reason=self.finish_reason if self.state is State.FINISHED else None,
-            routed_experts=None if self.routes is None else self.routes[start:],
+            routed_experts=routes,
             prompt_routed_experts=self.prompt_routes if with_prompt_routes else None,
             seq=seq,
             error=self.error,
@@ -114,24 +174,31 @@ class Record:
 
     def take_delta(self, seq: int | None = None) -> Output:
         """What the controller has not seen yet; marks it seen."""
-        out = self._slice(
+        out = self._output(
             self.reported, not self.prompt_routes_reported and self.prompt_routes is not None, seq
         )
-        self.reported = len(self)
+        self.reported = self.n
         if self.prompt_routes is not None:
             self.prompt_routes_reported = True
         return out
 
     def snapshot(self) -> Output:
         """The whole cached response (fetch); changes nothing."""
-        return self._slice(0, self.prompt_routes is not None)
+        return self._output(0, self.prompt_routes is not None, None)
 
 
-@dataclass
-class RouteShape:
-    layers: int
-    top_k: int
-    dtype: np.dtype
+def _join(parts: list[Segment], rs: RouteShape | None, skip: int) -> Segment:
+    """Concatenate segments (dropping the first `skip` tokens); an empty list gives empty columns."""
+
+    def cat(i: int, dtype) -> np.ndarray:
+        arrs = [p[i] for p in parts]
+        return np.concatenate(arrs)[skip:] if arrs else np.zeros(0, dtype)
+
+    routes = None
+    if rs is not None:
+        arrs = [p[3] for p in parts]
+        routes = np.concatenate(arrs)[skip:] if arrs else np.zeros((0, rs.layers, rs.top_k), rs.dtype)
+    return cat(0, np.int32), cat(1, np.float32), cat(2, np.int32), routes
 
 
 def new_record(
@@ -145,36 +212,46 @@ def new_record(
     prefix_versions: np.ndarray | None = None,
     prefix_routes: np.ndarray | None = None,
     prompt_routes: np.ndarray | None = None,
+    sampling_args: dict[str, Any] | None = None,
 ) -> Record:
     """A record for a submitted response; the prefix counts as already reported (the controller sent it)."""
     n = len(prefix)
-    routes = None
-    if route_shape is not None:
-        if prefix_routes is not None:
-            routes = prefix_routes.astype(route_shape.dtype)
-        else:
-            fill = np.iinfo(route_shape.dtype).max
-            routes = np.full((n, route_shape.layers, route_shape.top_k), fill, dtype=route_shape.dtype)
-    return Record(
+    rec = Record(
         rid=rid,
         prompt=np.array(prompt, dtype=np.int32),
         max_new_tokens=max_new_tokens,
         sampling=sampling,
-        tokens=np.array(prefix, dtype=np.int32),
-        logprobs=(
-            np.array(prefix_logprobs, dtype=np.float32)
-            if prefix_logprobs is not None
-            else np.full(n, np.nan, dtype=np.float32)
-        ),
-        versions=(
-            np.array(prefix_versions, dtype=np.int32)
-            if prefix_versions is not None
-            else np.full(n, -1, dtype=np.int32)
-        ),
-        routes=routes,
+        route_shape=route_shape,
+        sampling_args=sampling_args if sampling_args is not None else sampling.model_dump(exclude_none=True),
         prompt_routes=None
         if prompt_routes is None or route_shape is None
         else prompt_routes.astype(route_shape.dtype),
-        reported=n,
         prompt_routes_reported=prompt_routes is not None,
     )
+    if n:
+        routes = None
+        if route_shape is not None:
+            routes = (
+                np.array(prefix_routes, dtype=route_shape.dtype)
+                if prefix_routes is not None
+                else np.full(
+                    (n, route_shape.layers, route_shape.top_k),
+                    np.iinfo(route_shape.dtype).max,
+                    route_shape.dtype,
+                )
+            )
+        rec.segments.append(
+            (
+                np.array(prefix, dtype=np.int32),
+                np.array(prefix_logprobs, dtype=np.float32)
+                if prefix_logprobs is not None
+                else np.full(n, np.nan, np.float32),
+                np.array(prefix_versions, dtype=np.int32)
+                if prefix_versions is not None
+                else np.full(n, -1, np.int32),
+                routes,
+            )
+        )
+        rec.n = n
+    rec.reported = n
+    return rec

@@ -98,9 +98,9 @@ def test_outputs_pack_into_constant_frames():
     ]
     body, arrays = encode_outputs(outs)
     frames = _frames(Header(proto=1, id=1, type="pause", ok=True, body=body), arrays)
-    assert (
-        len(frames) == 1 + 5
-    )  # header, ids, logprobs, versions, routes, prompt routes: independent of count
+    # header + per-item ints (offsets, counts, totals, seqs, prompt route rows) + per-token arrays (ids,
+    # log-probs, versions, routes, prompt routes): the same number of frames whatever the count
+    assert len(frames) == 1 + 10
     back = decode_outputs(decode(frames))
     for a, b in zip(outs, back, strict=True):
         assert (a.rid, a.offset, a.total_len, a.finish_reason, a.seq) == (
@@ -363,3 +363,30 @@ def test_fake_second_controller_pause_does_not_wait_for_old_events():
                 assert list(deltas) == ["new"] and c.servers[0].last_seq == 3
 
         run(main(), 30)
+
+
+def test_sync_client_and_weight_sink_on_fake_engine():
+    """The synchronous wrapper the loop uses, and bfloat16 weight buckets through WeightSink."""
+    import torch
+
+    from sglang_ext.client import SyncRolloutClient, WeightSink
+
+    engine = FakeEngine(step_s=0.002)
+    with FakeServer(engine) as s, SyncRolloutClient([s.endpoint], poll_wait_s=0.1) as c:
+        c.submit([SubmitRequest("a", [5, 6], 30), SubmitRequest("b", [7], 400)], {"ignore_eos": True})
+        assert c.next_finished(10).rid == "a"
+        deltas = c.pause()
+        assert list(deltas) == ["b"] and c.finished_nowait() == []
+        c.truncate({"b": 1, "a": 10})  # a finished response cut short lives again
+        WeightSink(c).send([[("lm_head.weight", torch.ones(128, 8, dtype=torch.bfloat16))]], version=3)
+        assert engine.updates == [1] and c.health()[0]["version"] == 3
+        c.resume()
+        done = {c.next_finished(10).rid for _ in range(2)}
+        assert done == {"a", "b"}
+        for rid, n in (("a", 30), ("b", 400)):
+            tr = c.responses[rid]
+            assert (
+                len(tr.token_ids) == n
+                and (tr.versions[:1] == 0).all()
+                and (tr.versions[10 if rid == "a" else 1 :] == 3).all()
+            )
