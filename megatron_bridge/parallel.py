@@ -9,6 +9,7 @@ spawned trainer use.
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 from collections.abc import Callable
@@ -122,8 +123,9 @@ def _spawn_entry(rank: int, world_size: int, port: int, fn: Callable, args: tupl
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     try:
-        result = fn(rank, world_size, *args)
-        queue.put((rank, True, result))
+        # plain pickle bytes, not torch's fd-sharing reductions: a rank may exit before the parent reads
+        # its tensors, and a shared fd then no longer exists (FileNotFoundError in the parent).
+        queue.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:  # noqa: BLE001 - reported to the parent, which re-raises
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -176,7 +178,7 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300.0) -
                 else:
                     continue
             if ok:
-                results[rank] = value
+                results[rank] = pickle.loads(value)
             else:
                 errors.append(f"rank {rank}:\n{value}")
                 break
