@@ -87,6 +87,9 @@ class RolloutConfig:
     engine_args: dict[str, Any] = _f(
         factory=dict
     )  # SGLang ServerArgs, e.g. {tp_size: 4, max_total_tokens: 8192}
+    # A server that does not answer for this long is lost: its unfinished responses go to the others. Servers
+    # `rollverify train` launched are also watched by process, and restarted when they exit.
+    server_timeout_s: float = _f(300.0, gt=0.0)
 
 
 @dataclass

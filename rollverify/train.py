@@ -54,6 +54,7 @@ class Run:
         self.engine = self._start_engine()
         try:
             self.trainer = self._start_trainer()
+            self.engine.weight_source = self.trainer.export_weights  # a restarted server gets the current policy
             if cfg.rollout.endpoints:
                 self.engine.update_weights(self.trainer.export_weights(), 0)
         except BaseException:
@@ -87,25 +88,25 @@ class Run:
 
         r = self.cfg.rollout
         if r.endpoints:  # servers someone else runs: clear them; the trainer's weights are pushed below
-            engine = SGLangRolloutEngine(r.endpoints)
+            engine = SGLangRolloutEngine(r.endpoints, timeout_s=r.server_timeout_s)
             engine.reset()
             return engine
         cpu_compat.activate()
+
+        def launch(i: int):
+            return launch_server(self.model_path, engine_args=dict(r.engine_args), log_path=self.out / f"server{i}.log")
+
         servers = []
         try:
             for i in range(r.n_servers):
-                servers.append(
-                    launch_server(
-                        self.model_path,
-                        engine_args=dict(r.engine_args),
-                        log_path=self.out / f"server{i}.log",
-                    )
-                )
+                servers.append(launch(i))
         except BaseException:
             for s in servers:
                 s.stop()
             raise
-        return SGLangRolloutEngine([s.endpoint for s in servers], servers=servers)
+        return SGLangRolloutEngine(
+            [s.endpoint for s in servers], servers=servers, relaunch=launch, timeout_s=r.server_timeout_s
+        )
 
     def _start_trainer(self):
         from megatron_bridge.loop_adapter import LoopTrainer

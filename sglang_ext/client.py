@@ -53,6 +53,7 @@ class ControlError(Exception):
 
 
 UNAVAILABLE = "UNAVAILABLE"
+DETACHED = -1  # TrackedResponse.server of a finished response whose server was lost
 EVENTS_PER_POLL = 4096
 
 
@@ -442,6 +443,7 @@ class RolloutClient:
         self.on_finished: Callable[[Output], None] | None = None
         self.failure: BaseException | None = None  # set when event delivery broke (raised by later calls)
         self.last_pause: list[dict] = []  # each server's pause reply body (timings: engine_s, server_s)
+        self._unreported: dict[str, Output] = {}  # pause deltas not yet returned (another server failed)
         self._started = False
 
     async def start(self, health_timeout_s: float = 30.0) -> RolloutClient:
@@ -610,24 +612,33 @@ class RolloutClient:
     async def pause(self) -> dict[str, Output]:
         """Stop generation everywhere. Returns each live response's delta since its last report (already
         applied to the tracked copies); once it returns, every response that finished before the pause has
-        also been delivered as finished."""
-        alive = self._alive()
-        replies = await asyncio.gather(*(s.conn.pause() for s in alive))
-        deltas: dict[str, Output] = {}
-        self.last_pause = [body for _, body in replies]
+        also been delivered as finished. Servers already paused are skipped; when one server fails, the
+        deltas of those that paused are kept and returned by the next pause (the retry after recovery)."""
+        alive = [s for s in self._alive() if not s.paused]
+        replies = await asyncio.gather(*(s.conn.pause() for s in alive), return_exceptions=True)
+        self.last_pause = []
         t0 = time.perf_counter()
-        for s, (outs, _) in zip(alive, replies, strict=True):
+        failed: BaseException | None = None
+        done = []
+        for s, reply in zip(alive, replies, strict=True):
+            if isinstance(reply, BaseException):
+                failed = failed or reply
+                continue
+            outs, body = reply
             s.paused = True
+            done.append((s, body))
+            self.last_pause.append(body)
             for out in outs:
                 tr = self.responses.get(out.rid)
                 if tr is not None:
                     tr.apply(out)
-                deltas[out.rid] = out
+                self._unreported[out.rid] = out
         for body in self.last_pause:
             body["client_apply_s"] = time.perf_counter() - t0
-        await asyncio.gather(
-            *(self._await_seq(s, body["event_seq"]) for s, (_, body) in zip(alive, replies, strict=True))
-        )
+        if failed is not None:
+            raise failed
+        await asyncio.gather(*(self._await_seq(s, body["event_seq"]) for s, body in done))
+        deltas, self._unreported = self._unreported, {}
         return deltas
 
     async def truncate(self, keep: dict[str, int]) -> None:
@@ -645,6 +656,7 @@ class RolloutClient:
                     f"keep {k} for response {rid} is outside [0, {len(tr.token_ids)}]",
                 )
             plan.setdefault(tr.server, {})[rid] = int(k)
+        detached = plan.pop(DETACHED, {})
         await asyncio.gather(*(self.servers[i].conn.truncate(p) for i, p in plan.items()))
         for i, p in plan.items():
             for rid, k in p.items():
@@ -653,6 +665,15 @@ class RolloutClient:
                 tr.truncate(k)
                 if was_finished and not tr.finished:
                     self.servers[i].live += 1
+        # finished responses of a lost server: cut here; one cut short goes to an alive server, as a revival would
+        revived = []
+        for rid, k in detached.items():
+            tr = self.responses[rid]
+            tr.truncate(k)
+            if not tr.finished:
+                revived.append(self.responses.pop(rid).as_submit())
+        if revived:
+            await self.submit(revived)
 
     async def resume(self) -> None:
         """Relaunch every live response from its kept prefix under each server's current weights."""
@@ -661,10 +682,12 @@ class RolloutClient:
         for s in alive:
             s.paused = False
 
-    async def update_weights(self, buckets: Iterable[Iterable[tuple[str, Any]]], version: int) -> None:
-        """Send (hf_name, tensor) buckets to every server, streaming (one bucket of look-ahead marks the last
-        one, which commits). A server applies nothing unless every bucket it received was valid."""
-        alive = self._alive()
+    async def update_weights(
+        self, buckets: Iterable[Iterable[tuple[str, Any]]], version: int, servers: Sequence[int] | None = None
+    ) -> None:
+        """Send (hf_name, tensor) buckets to every server (or to `servers`), streaming (one bucket of look-ahead
+        marks the last one, which commits). A server applies nothing unless every bucket it received was valid."""
+        alive = self._alive() if servers is None else [self.servers[i] for i in servers]
         it = iter(buckets)
         current = next(it, None)
         if current is None:
@@ -700,6 +723,7 @@ class RolloutClient:
                     ErrorCode.UNKNOWN_RESPONSE, f"response {rid} is not tracked by this client"
                 )
             plan.setdefault(tr.server, []).append(rid)
+        detached = plan.pop(DETACHED, [])
         await asyncio.gather(
             *(self.servers[i].conn.drop(r) for i, r in plan.items() if self.servers[i].alive)
         )
@@ -709,6 +733,8 @@ class RolloutClient:
                 self.servers[i].rids.discard(rid)
                 if not tr.finished:
                     self.servers[i].live -= 1
+        for rid in detached:
+            del self.responses[rid]
 
     async def stats(self, engine: bool = False) -> list[dict]:
         return await asyncio.gather(*(self._safe(s, s.conn.stats(engine)) for s in self.servers))
@@ -736,16 +762,51 @@ class RolloutClient:
                 s.alive = False
         await self.close()
 
-    async def recover(self, server: int) -> list[str]:
-        """Move the live responses of a dead server to the others, from what the controller holds (the last
-        pause or finish); only tokens generated after that are regenerated. Returns the moved ids."""
+    async def mark_dead(self, server: int) -> None:
+        """Stop talking to a server known to be gone (its process exited): no more polls, no pending calls."""
+        s = self.servers[server]
+        s.alive = False
+        if s.poller is not None:
+            s.poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await s.poller
+            s.poller = None
+        await s.conn.close()
+        async with s.seq_cond:
+            s.seq_cond.notify_all()
+
+    async def orphans(self, server: int) -> list[TrackedResponse]:
+        """Forget the unfinished responses of a dead server and return them as the controller last saw them
+        (the last pause or finish: whatever the server generated after that is lost and will be regenerated).
+        Its finished ones stay tracked, detached from any server, until dropped or truncated (see truncate)."""
         dead = self.servers[server]
-        dead.alive = False
         moved = [tr for tr in self.responses.values() if tr.server == server and not tr.finished]
         for tr in moved:
             del self.responses[tr.rid]
+        for tr in self.responses.values():
+            if tr.server == server:
+                tr.server = DETACHED
         dead.rids.clear()
         dead.live = 0
+        return moved
+
+    async def reconnect(self, server: int, endpoint: str) -> None:
+        """Point slot `server` at a new process (a restart): fresh connection, its version and paused state
+        read from its health reply, event sequence from zero."""
+        s = self.servers[server]
+        if s.alive:
+            raise ValueError(f"server {server} is alive: mark it dead before reconnecting")
+        old = s.conn
+        s.conn = ServerConnection(endpoint, curve=old.curve, timeout_s=old.timeout_s)
+        await s.conn.start()
+        info = await s.conn.health()
+        s.version, s.paused, s.last_seq, s.alive = info["version"], info["paused"], 0, True
+        s.poller = asyncio.ensure_future(self._poll(s))
+
+    async def recover(self, server: int) -> list[str]:
+        """Move the live responses of a dead server to the alive ones (see `orphans`). Returns the moved ids."""
+        await self.mark_dead(server)
+        moved = await self.orphans(server)
         if moved:
             await self.submit([tr.as_submit() for tr in moved])
         return [tr.rid for tr in moved]

@@ -1,16 +1,20 @@
 """`SGLangRolloutEngine`: the loop's `RolloutEngine` over one or several control servers.
 
 A thin translation between rollverify's data model (`Response`, `Chunk`) and the control client's
-(`SubmitRequest`, `Output`). It also owns server faults: a server that stops answering is restarted (when this
-object launched it) or abandoned, and the responses it held are resubmitted elsewhere from what the
-controller recorded at the last pause or finish, so only tokens generated since then are regenerated.
+(`SubmitRequest`, `Output`). It also owns server faults. A server is dead when its process exits (servers this
+object launched: a watchdog notices within a second and fails the calls in flight) or when it stops answering
+for the client's `timeout_s` (servers someone else runs). A dead server this object launched is restarted,
+given the current policy's weights, and paused if the others are; one it did not launch is abandoned. Either
+way the unfinished responses it held are resubmitted from what the controller recorded at the last pause or
+finish, so only the tokens generated since then are regenerated and the loop's accounting is untouched.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -59,15 +63,35 @@ def _request(r: Response) -> SubmitRequest:
 
 
 class SGLangRolloutEngine:
-    """RolloutEngine over `SyncRolloutClient`; `servers` are the ServerProcess handles it may restart."""
+    """RolloutEngine over `SyncRolloutClient`.
+
+    `servers`: the ServerProcess handles of the endpoints this object launched (same order); `relaunch(i)`
+    starts a replacement for server i; `weight_source()` yields the current policy's weight buckets, pushed to
+    a restarted server (which loads the original checkpoint) before it gets any response.
+    """
 
     def __init__(
-        self, endpoints: Sequence[str], *, servers: Sequence[Any] = (), **client_kwargs: Any
+        self,
+        endpoints: Sequence[str],
+        *,
+        servers: Sequence[Any] = (),
+        relaunch: Callable[[int], Any] | None = None,
+        weight_source: Callable[[], Iterator[list[tuple[str, Any]]]] | None = None,
+        **client_kwargs: Any,
     ) -> None:
         self.client = SyncRolloutClient(list(endpoints), **client_kwargs)
         self.servers = list(servers)
+        self.relaunch = relaunch
+        self.weight_source = weight_source
+        self.version = 0  # the last policy version pushed
         self.paused = False
+        self.faults: list[dict[str, Any]] = []  # one record per recovered server
         self._held: list[Output] = []  # training outputs that arrived while evaluating
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # the watchdog never judges a slot while it is being restarted
+        self._watchdog = threading.Thread(target=self._watch, name="rollout-watchdog", daemon=True)
+        if self.servers:
+            self._watchdog.start()
 
     # --- RolloutEngine -----------------------------------------------------------------------------------
 
@@ -86,7 +110,7 @@ class SGLangRolloutEngine:
         return [_chunk(o) for o in outs]
 
     def pause(self) -> list[Chunk]:
-        deltas = self._guard(self.client.pause)
+        deltas = self._guard(self.client.pause)  # a retry pauses the rest and returns every delta
         self.paused = True
         return [_chunk(o) for o in deltas.values()]
 
@@ -102,7 +126,15 @@ class SGLangRolloutEngine:
             self.paused = False
 
     def update_weights(self, buckets: Iterator[list[tuple[str, Any]]], version: int) -> None:
-        self._guard(lambda: self.client.update_weights(buckets, version))
+        self._check_servers()
+        try:
+            self.client.update_weights(buckets, version)
+        except ControlError as e:
+            # the bucket stream is spent: after recovery every server gets the whole policy again
+            if not (self._check_servers() and self.weight_source is not None):
+                raise RuntimeError(f"rollout engine: {e}") from e
+            self.client.update_weights(self.weight_source(), version)
+        self.version = version
 
     # --- evaluation and lifecycle ------------------------------------------------------------------------
 
@@ -122,11 +154,16 @@ class SGLangRolloutEngine:
         want = {q.rid for q in reqs}
         got: dict[str, np.ndarray] = {}
         while want - got.keys():
-            out = self.client.next_finished(600.0)
-            if out.rid in want:
-                got[out.rid] = np.asarray(self.client.responses[out.rid].token_ids)
-            else:
-                self._held.append(out)
+            try:
+                outs = [self.client.next_finished(1.0)] + self.client.finished_nowait()
+            except TimeoutError:
+                outs = []
+            for out in outs:
+                if out.rid in want:
+                    got[out.rid] = np.asarray(self.client.responses[out.rid].token_ids)
+                else:
+                    self._held.append(out)
+            self._check_servers()
         self._guard(lambda: self.client.drop(sorted(want)))
         return [got[q.rid] for q in reqs]
 
@@ -140,6 +177,7 @@ class SGLangRolloutEngine:
         self.paused = False
 
     def close(self, shutdown: bool = True) -> None:
+        self._stop.set()
         with contextlib.suppress(Exception):
             if shutdown:
                 self.client.shutdown()
@@ -151,6 +189,7 @@ class SGLangRolloutEngine:
     # --- faults ------------------------------------------------------------------------------------------
 
     def _guard(self, call):
+        self._check_servers()
         try:
             return call()
         except ControlError as e:
@@ -158,10 +197,55 @@ class SGLangRolloutEngine:
                 return call()
             raise RuntimeError(f"rollout engine: {e}") from e
 
+    def _watch(self) -> None:
+        """Mark a launched server dead as soon as its process exits: pending calls to it fail at once
+        instead of waiting for the client's timeout."""
+        while not self._stop.wait(0.5):
+            with self._lock:
+                for i, sp in enumerate(self.servers):
+                    if self.client.servers[i].alive and sp.proc.poll() is not None:
+                        log.error("server %d (pid %d) exited with code %s", i, sp.pid, sp.proc.returncode)
+                        with contextlib.suppress(Exception):
+                            self.client.mark_dead(i)
+
     def _check_servers(self) -> bool:
-        """Move the responses of servers that stopped answering; True when something was recovered."""
-        dead = [s.index for s in self.client.servers if not s.alive and (s.rids or s.live)]
-        for i in dead:
-            moved = self.client.recover(i)
-            log.warning("server %d stopped answering; %d responses resubmitted elsewhere", i, len(moved))
-        return bool(dead)
+        """Recover every dead server that held work (or that can be restarted); True when one was recovered."""
+        recovered = False
+        for st in self.client.servers:
+            i = st.index
+            launched = i < len(self.servers)
+            if st.alive and launched and self.servers[i].proc.poll() is not None:
+                self.client.mark_dead(i)  # exited before the watchdog looked
+            restart = launched and self.relaunch is not None
+            if st.alive or not (restart or st.rids or st.live):
+                continue
+            moved = self.client.orphans(i)
+            if restart:
+                try:
+                    self._restart(i)
+                except Exception as e:
+                    if not any(s.alive for s in self.client.servers):
+                        raise RuntimeError(f"rollout server {i} died and could not be restarted: {e}") from e
+                    log.error("server %d could not be restarted (%s); its responses go to the others", i, e)
+                    restart = False
+            if moved:
+                self.client.submit([tr.as_submit() for tr in moved])
+            self.faults.append({"server": i, "restarted": restart, "resubmitted": len(moved),
+                                "version": self.version})
+            log.warning("server %d lost: %s, %d unfinished responses resubmitted", i,
+                        "restarted" if restart else "abandoned", len(moved))
+            recovered = True
+        return recovered
+
+    def _restart(self, i: int) -> None:
+        with self._lock:
+            with contextlib.suppress(Exception):
+                self.servers[i].stop(timeout_s=5.0)  # reap what is left of the old process tree
+            self.servers[i] = self.relaunch(i)
+            self.client.reconnect(i, self.servers[i].endpoint)
+        if self.weight_source is not None:
+            self.client.update_weights(self.weight_source(), self.version, servers=[i])
+        if self.paused:
+            st = self.client.servers[i]
+            self.client._run(st.conn.pause())
+            st.paused = True

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from engine_fixtures import FakeEngine, FakeServer, run
 
-from sglang_ext.client import ControlError, RolloutClient, ServerConnection, SubmitRequest
+from sglang_ext.client import DETACHED, ControlError, RolloutClient, ServerConnection, SubmitRequest
 from sglang_ext.engine import ModelFolderError, inspect_model_folder
 from sglang_ext.protocol import (
     PROTOCOL_VERSION,
@@ -291,6 +291,38 @@ def test_fake_accounting_through_cycles_and_server_crash():
                     assert tr.prompt_routed_experts.shape == (2, 2, 2)
 
         run(main(), 120)
+    finally:
+        s0.stop()
+        s1.stop()
+
+
+def test_fake_finished_responses_of_a_lost_server_stay_usable():
+    """A finished response outlives its server: it can still be dropped, or cut, which revives it elsewhere."""
+    s0, s1 = FakeServer(FakeEngine(step_s=0.002)), FakeServer(FakeEngine(step_s=0.002))
+    try:
+
+        async def main():
+            async with RolloutClient([s0.endpoint, s1.endpoint], poll_wait_s=0.1) as c:
+                reqs = [SubmitRequest(f"g{g}-{j}", [3, 4, 5], 6, group=f"g{g}") for g in range(2) for j in range(2)]
+                await c.submit(reqs, {"ignore_eos": True})
+                assert c.responses["g1-0"].server == 1
+                for _ in reqs:
+                    await c.next_finished(30)
+                s1.stop()
+                assert await c.recover(1) == []  # nothing was unfinished there
+                assert c.responses["g1-0"].server == c.responses["g1-1"].server == DETACHED
+                kept = c.responses["g1-0"].token_ids[:2].copy()
+                await c.truncate({"g1-0": 2, "g1-1": 6})  # a cut revives; keeping everything changes nothing
+                assert c.responses["g1-0"].server == 0 and c.responses["g1-1"].server == DETACHED
+                out = await c.next_finished(30)
+                tr = c.responses["g1-0"]
+                assert out.rid == "g1-0" and len(tr.token_ids) == 6 and np.array_equal(tr.token_ids[:2], kept)
+                await c.drop(["g1-1", "g1-0"])
+                assert set(c.responses) == {"g0-0", "g0-1"}
+                with pytest.raises(ControlError, match="not tracked"):
+                    await c.drop(["g1-1"])
+
+        run(main(), 60)
     finally:
         s0.stop()
         s1.stop()
