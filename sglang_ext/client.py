@@ -179,8 +179,12 @@ class ServerConnection:
         limit = timeout_s or self.timeout_s
         try:
             # a DEALER without a connected peer (server down, CURVE handshake refused) blocks on send
+            sent_at = time.time()
             await asyncio.wait_for(self.sock.send_multipart(frames, copy=False), limit)
             msg = await asyncio.wait_for(fut, limit)
+            if "sent_at" in msg.header.body:  # request and reply transit, queueing in either process included
+                msg.header.body["hops_s"] = (msg.header.body["received_at"] - sent_at,
+                                             time.time() - msg.header.body["sent_at"])
         except TimeoutError:
             self._pending.pop(rid, None)
             raise ControlError(
@@ -465,11 +469,18 @@ class RolloutClient:
 
     async def close(self) -> None:
         for s in self.servers:
-            if s.poller is not None:
-                s.poller.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await s.poller
+            await self._stop_poller(s)
             await s.conn.close()
+
+    async def _stop_poller(self, s: ServerState) -> None:
+        """Cancel a server's event poller and wait until it has ended. Cancel again until it does: Python
+        3.11's `asyncio.wait_for` can swallow a cancellation that races with a reply (a close hung on it)."""
+        task, s.poller = s.poller, None
+        while task is not None and not task.done():
+            task.cancel()
+            await asyncio.wait({task}, timeout=0.1)
+        if task is not None and not task.cancelled() and task.exception() is not None:
+            log.debug("poller of %s ended with %r", s.conn.endpoint, task.exception())
 
     def _alive(self) -> list[ServerState]:
         alive = [s for s in self.servers if s.alive]
@@ -637,7 +648,10 @@ class RolloutClient:
             body["client_apply_s"] = time.perf_counter() - t0
         if failed is not None:
             raise failed
+        t1 = time.perf_counter()
         await asyncio.gather(*(self._await_seq(s, body["event_seq"]) for s, body in done))
+        for body in self.last_pause:
+            body["client_await_events_s"] = time.perf_counter() - t1
         deltas, self._unreported = self._unreported, {}
         return deltas
 
@@ -766,11 +780,7 @@ class RolloutClient:
         """Stop talking to a server known to be gone (its process exited): no more polls, no pending calls."""
         s = self.servers[server]
         s.alive = False
-        if s.poller is not None:
-            s.poller.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await s.poller
-            s.poller = None
+        await self._stop_poller(s)
         await s.conn.close()
         async with s.seq_cond:
             s.seq_cond.notify_all()
@@ -849,7 +859,7 @@ class SyncRolloutClient:
 
     def close(self) -> None:
         if self._loop.is_running():
-            self._run(self.client.close())
+            self._run(self.client.close(), timeout_s=60.0)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(5)
 

@@ -295,7 +295,7 @@ class ControlServer:
             )
             self._send(identity, error_header(msg.header.id, typ, err))
             return
-        received = time.perf_counter()
+        received = (time.perf_counter(), time.time())
         if typ in QUERY_TYPES:
             self._spawn(self._execute(identity, msg, received))
         else:
@@ -306,14 +306,16 @@ class ControlServer:
             identity, msg, received = await self._commands.get()
             await self._execute(identity, msg, received)
 
-    async def _execute(self, identity: bytes, msg: Message, received: float) -> None:
+    async def _execute(self, identity: bytes, msg: Message, received: tuple[float, float]) -> None:
         typ = msg.header.type
         try:
             if self._stopping and typ != "health":
                 raise ProtocolError(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
             body = parse_body(BODIES[typ], msg.body, typ)
             reply_body, arrays, raw = await getattr(self, f"_op_{typ}")(body, msg)
-            reply_body["handled_s"] = time.perf_counter() - received  # arrival to reply, queueing included
+            reply_body["handled_s"] = time.perf_counter() - received[0]  # arrival to reply, queueing included
+            # wall-clock stamps: with the client's own, they split a call's latency into its two hops
+            reply_body["received_at"], reply_body["sent_at"] = received[1], time.time()
             header = Header(proto=PROTOCOL_VERSION, id=msg.header.id, type=typ, ok=True, body=reply_body)
             self._send(identity, header, arrays, raw)
         except ProtocolError as e:

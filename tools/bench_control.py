@@ -120,6 +120,9 @@ async def channel_round(client, n: int, plen: int, run_s: float, xlen: int, tag:
         "server_engine_s": body["engine_s"],
         "server_handled_s": body["handled_s"],
         "client_s": body["client_decode_s"] + body["client_apply_s"],
+        "request_hop_s": body["hops_s"][0],
+        "reply_hop_s": body["hops_s"][1],
+        "await_events_s": body["client_await_events_s"],
     }
     await client.drop([r.rid for r in reqs])
     xs = prompts(n, xlen, 1)
@@ -159,6 +162,9 @@ def summarize(n: int, base: list[dict], chan: list[dict]) -> dict:
         "channel_pause_own_work_s": med(own),
         "channel_pause_hops_s": med(hops),
         "server_engine_pause_s": m(chan, "server_engine_s"),
+        "request_hop_s": m(chan, "request_hop_s"),
+        "reply_hop_s": m(chan, "reply_hop_s"),
+        "await_events_s": m(chan, "await_events_s"),
         "sglang_resume_s": m(base, "resume_s"),
         "channel_resume_s": m(chan, "resume_s"),
         "resume_overhead": m(chan, "resume_s") / m(base, "resume_s") - 1,
@@ -285,7 +291,9 @@ def main(argv: list[str] | None = None) -> int:
                         )
                         chan[n].append(r)
                         print(
-                            f"  channel N={n}: pause {r['pause_s'] * 1e3:.0f} ms (engine {r['server_engine_s'] * 1e3:.0f}),"
+                            f"  channel N={n}: pause {r['pause_s'] * 1e3:.0f} ms (engine {r['server_engine_s'] * 1e3:.0f},"
+                            f" request hop {r['request_hop_s'] * 1e3:.1f}, reply hop {r['reply_hop_s'] * 1e3:.1f},"
+                            f" client {r['client_s'] * 1e3:.1f}, events {r['await_events_s'] * 1e3:.1f}),"
                             f" resume {r['resume_s'] * 1e3:.0f} ms",
                             flush=True,
                         )
