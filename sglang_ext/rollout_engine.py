@@ -86,6 +86,7 @@ class SGLangRolloutEngine:
         self.version = 0  # the last policy version pushed
         self.paused = False
         self.faults: list[dict[str, Any]] = []  # one record per recovered server
+        self._unrestartable: set[int] = set()  # launched servers whose restart failed: not tried again
         self._held: list[Output] = []  # training outputs that arrived while evaluating
         self._stop = threading.Event()
         self._lock = threading.Lock()  # the watchdog never judges a slot while it is being restarted
@@ -216,7 +217,7 @@ class SGLangRolloutEngine:
             launched = i < len(self.servers)
             if st.alive and launched and self.servers[i].proc.poll() is not None:
                 self.client.mark_dead(i)  # exited before the watchdog looked
-            restart = launched and self.relaunch is not None
+            restart = launched and self.relaunch is not None and i not in self._unrestartable
             if st.alive or not (restart or st.rids or st.live):
                 continue
             moved = self.client.orphans(i)
@@ -227,10 +228,11 @@ class SGLangRolloutEngine:
                     if not any(s.alive for s in self.client.servers):
                         raise RuntimeError(f"rollout server {i} died and could not be restarted: {e}") from e
                     log.error("server %d could not be restarted (%s); its responses go to the others", i, e)
+                    self._unrestartable.add(i)
                     restart = False
             if moved:
                 self.client.submit([tr.as_submit() for tr in moved])
-            self.faults.append({"server": i, "restarted": restart, "resubmitted": len(moved),
+            self.faults.append({"server": i, "restarted": restart, "resubmitted": [tr.rid for tr in moved],
                                 "version": self.version})
             log.warning("server %d lost: %s, %d unfinished responses resubmitted", i,
                         "restarted" if restart else "abandoned", len(moved))

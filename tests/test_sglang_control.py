@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import numpy as np
 import pytest
@@ -34,16 +35,19 @@ def served(request):
     return request.getfixturevalue(f"{request.param}_server")
 
 
-async def progress(c: RolloutClient, min_tokens: int, rounds: int = 20) -> None:
-    """Let the engine run until every live response holds at least `min_tokens` (pausing to look)."""
-    for _ in range(rounds):
-        await asyncio.sleep(0.4)
+async def progress(c: RolloutClient, min_tokens: int, timeout_s: float = 60.0) -> None:
+    """Let the engine run until every live response holds at least `min_tokens`, pausing to look: first after
+    20 ms, then at doubling intervals (up to 0.4 s), so a fast machine stops early instead of finishing them."""
+    wait, deadline = 0.02, time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        await asyncio.sleep(wait)
         await c.pause()
         live = [tr for tr in c.responses.values() if not tr.finished]
         if all(len(tr.token_ids) >= min_tokens for tr in live):
             return
         await c.resume()
-    raise AssertionError("the engine made no progress")
+        wait = min(2 * wait, 0.4)
+    raise AssertionError(f"the engine made no progress in {timeout_s:.0f} s")
 
 
 def check_hf(served, tr, temperature=1.0, model=None):
@@ -132,11 +136,12 @@ def test_weight_update_changes_later_logprobs_and_versions(dense_server):
         await reset_server(served)
         async with served.client(poll_wait_s=0.2) as c:
             reqs = [
-                SubmitRequest(f"w{i}", [40 + i, 41, 42], 30, sampling={"ignore_eos": True}) for i in range(3)
+                SubmitRequest(f"w{i}", [40 + i, 41, 42], 120, sampling={"ignore_eos": True}) for i in range(3)
             ]
             await c.submit(reqs)
             await progress(c, 3)
             before = {r.rid: len(c.responses[r.rid].token_ids) for r in reqs}
+            assert all(k < 120 for k in before.values()), f"the scenario needs live responses: {before}"
             await c.update_weights(_buckets(new_model), version=1)  # three buckets, the last commits
             h = await c.health()
             assert h[0]["version"] == 1
@@ -146,7 +151,7 @@ def test_weight_update_changes_later_logprobs_and_versions(dense_server):
             for r in reqs:
                 tr, k = c.responses[r.rid], before[r.rid]
                 assert (
-                    len(tr.token_ids) == 30 and (tr.versions[:k] == 0).all() and (tr.versions[k:] == 1).all()
+                    len(tr.token_ids) == 120 and (tr.versions[:k] == 0).all() and (tr.versions[k:] == 1).all()
                 )
                 old, _ = hf_forward(served.model, tr.prompt_ids, tr.token_ids)
                 new, _ = hf_forward(new_model, tr.prompt_ids, tr.token_ids)
