@@ -497,9 +497,9 @@ class RolloutClient:
                         after=s.last_seq, wait_s=self.poll_wait_s, max_events=EVENTS_PER_POLL
                     )
                 except ControlError as e:
-                    if e.code != UNAVAILABLE:
+                    if e.code not in (UNAVAILABLE, ErrorCode.SHUTTING_DOWN):
                         raise
-                    log.error("server %s stopped answering: %s", s.conn.endpoint, e)
+                    log.error("server %s is gone: %s", s.conn.endpoint, e)  # crashed, or stopped by someone
                     s.alive = False
                     break
                 for out in outs:

@@ -329,7 +329,13 @@ class FakeServer:
             self.server = ControlServer(self.cfg, self.engine)
             self.endpoint = self.server.bind()
             ready.set()
-            self.loop.run_until_complete(self.server.run())
+            try:
+                self.loop.run_until_complete(self.server.run())
+            except RuntimeError:  # crash() stopped the loop: end what was left (its socket is already closed)
+                tasks = asyncio.all_tasks(self.loop)
+                for t in tasks:
+                    t.cancel()
+                self.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
 
         self.thread = threading.Thread(target=main, daemon=True)
         self.thread.start()
@@ -338,6 +344,17 @@ class FakeServer:
     def stop(self) -> None:
         if self.thread.is_alive():
             self.loop.call_soon_threadsafe(self.server.request_stop)
+            self.thread.join(10)
+
+    def crash(self) -> None:
+        """Die like a killed process: no more replies or events, nothing shut down gracefully."""
+
+        def die() -> None:
+            self.server.sock.close(linger=0)
+            self.loop.stop()
+
+        if self.thread.is_alive():
+            self.loop.call_soon_threadsafe(die)
             self.thread.join(10)
 
     def __enter__(self) -> FakeServer:

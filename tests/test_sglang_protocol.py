@@ -271,7 +271,7 @@ def test_fake_accounting_through_cycles_and_server_crash():
                     del cycle
                 # server 1 "crashes" mid-generation: what it generated since its last report is lost, nothing else
                 await asyncio.sleep(0.03)
-                s1.stop()
+                s1.crash()
                 held = {
                     rid: len(tr.token_ids)
                     for rid, tr in c.responses.items()
@@ -308,7 +308,7 @@ def test_fake_finished_responses_of_a_lost_server_stay_usable():
                 assert c.responses["g1-0"].server == 1
                 for _ in reqs:
                     await c.next_finished(30)
-                s1.stop()
+                s1.crash()
                 assert await c.recover(1) == []  # nothing was unfinished there
                 assert c.responses["g1-0"].server == c.responses["g1-1"].server == DETACHED
                 kept = c.responses["g1-0"].token_ids[:2].copy()
