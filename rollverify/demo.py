@@ -98,7 +98,7 @@ def cli_main(argv: list[str] | None = None) -> int:
     print(table(results))
     print()
     if "on_policy" in results:
-        for mode in results.keys() - {"on_policy"}:
+        for mode in [m for m in results if m != "on_policy"]:
             speed = results[mode]["step_s"] / results["on_policy"]["step_s"]
             print(f"[demo] {mode} mean step time = {speed:.2f} x on-policy's")
     print(f"[demo] total {time.perf_counter() - t0:.0f} s")
