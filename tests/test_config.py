@@ -189,3 +189,12 @@ def test_file_errors(tmp_path):
     empty = tmp_path / "empty.yaml"
     empty.write_text("# nothing\n")
     assert load_config(empty).to_dict() == RunConfig.from_dict({}).to_dict()
+
+
+def test_demo_stops_on_a_bad_mode_or_override_before_starting_anything(tmp_path, capsys):
+    from rollverify.demo import cli_main as demo
+
+    assert demo(["--modes", "on_policy", "fast", "--out", str(tmp_path / "a")]) == 2
+    assert "algo.mode" in capsys.readouterr().err and not (tmp_path / "a").exists()
+    assert demo(["--out", str(tmp_path / "b"), "rollout.server_timeout_s=0"]) == 2
+    assert "rollout.server_timeout_s" in capsys.readouterr().err and not (tmp_path / "b").exists()
