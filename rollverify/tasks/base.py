@@ -53,6 +53,7 @@ class TaskBase:
     """Shared `examples` on top of `stream`."""
 
     name: str = "task"
+    chat_template: bool | str = "auto"  # how prompts meet the tokenizer's chat template (rollverify.tasks.chat)
 
     def stream(self, split: str = "train", seed: int = 0) -> Iterator[Example]:  # pragma: no cover - abstract
         raise NotImplementedError

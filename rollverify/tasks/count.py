@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rollverify.tasks.base import SPLITS, Example, TaskBase, check_split, hash_fraction, stable_uid
+from rollverify.tasks.chat import ChatTemplate, check_chat_template
 
 _ANSWER = re.compile(r"=\s*(-?\d+)\s*")
 _EOS_STRINGS = ("<|endoftext|>", "<|im_end|>")
@@ -43,6 +44,9 @@ class CountdownTask(TaskBase):
     eval_fraction: float = 0.1
     split_salt: str = "countdown-v1"
     format_reward: float = 0.0  # score of a well-formed but wrong answer line (0: reward is correctness only)
+    # Plain prompts: only `true` wraps them in the chat template. Not in repr: the tiny model's cache key hashes
+    # the task's repr, and rendering does not change what the warm start learns.
+    chat_template: ChatTemplate = field(default="auto", repr=False)
     _probs: np.ndarray = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -54,6 +58,7 @@ class CountdownTask(TaskBase):
             raise ValueError(f"width={self.width} cannot hold {self.max_start}; raise width or lower k_max")
         if not (0.0 < self.eval_fraction < 1.0):
             raise ValueError(f"eval_fraction must be in (0, 1); got {self.eval_fraction}")
+        check_chat_template(self.chat_template)
         if not (0.0 <= self.format_reward < 1.0):
             raise ValueError(f"format_reward must be in [0, 1); got {self.format_reward}")
         k = np.arange(self.k_min, self.k_max + 1, dtype=np.float64)

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from rollverify.tasks.base import SPLITS, Example, TaskBase, check_split, hash_fraction, stable_uid
+from rollverify.tasks.chat import ChatTemplate, check_chat_template
 from rollverify.tasks.math import math_reward
 
 LABEL_KEYS = ("label", "reward_model.ground_truth", "answer", "ground_truth")
@@ -164,8 +165,10 @@ class FileTask(TaskBase):
         uid_key: str | None = None,
         eval_fraction: float = 0.05,
         name: str = "math",
+        chat_template: ChatTemplate = "auto",
     ) -> None:
         self.name = name
+        self.chat_template = check_chat_template(chat_template)
         kw = dict(prompt_key=prompt_key, label_key=label_key, uid_key=uid_key)
         train = load_prompt_file(train_path, **kw)
         if eval_path is not None:

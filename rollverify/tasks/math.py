@@ -1,14 +1,23 @@
-"""Math reward: extract the final answer (``\\boxed{...}`` or an ``Answer:`` line) and compare it normalised.
+"""Math reward: extract the final answer (``\\boxed{...}`` or an ``Answer:`` line) and compare it with the label.
 
 DAPO-Math's prompts ask for a last line ``Answer: $Answer``; most other math RL data asks for ``\\boxed{}``.
-Whichever of the two appears last in the response is the answer. Comparison normalises LaTeX noise (``$``,
-``\\left``, ``\\dfrac``, ``\\text{}``, units, thousands separators) and then compares exactly as numbers when
-both sides parse as rationals, else as strings.
+Whichever of the two appears last in the response is the answer (math-verify alone takes the first of several
+boxes, so extraction stays here). Comparison has two exact fast paths and one symbolic path:
+
+- equal after normalising LaTeX noise (``$``, ``\\left``, ``\\dfrac``, ``\\text{}``, units, thousands separators,
+  ``\\sqrt 3`` -> ``\\sqrt{3}``): correct;
+- both sides plain decimal numbers: correct exactly when they are equal as rationals;
+- anything else goes to math-verify (the parser and checker verl, slime and OpenRLHF use), which compares the
+  two answers as sympy expressions: ``\\sqrt8`` = ``2\\sqrt2``, ``1/\\sqrt2`` = ``\\frac{\\sqrt2}{2}``, sets in any
+  order, ``\\text{(B)}`` = ``B``, intervals, percentages.
+
+A response without a box or an ``Answer:`` line scores 0: a number somewhere in the reasoning is not an answer.
 """
 
 from __future__ import annotations
 
 import re
+import threading
 from fractions import Fraction
 
 _ANSWER_LINE = re.compile(r"(?i)answer\s*:\s*([^\n]*)")
@@ -69,9 +78,9 @@ def normalize_answer(ans: str) -> str:
     for r in _REMOVE:
         s = s.replace(r, "")
     s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
-    s = re.sub(r"\\frac(\d)(\d)", r"\\frac{\1}{\2}", s)
-    s = re.sub(r"\\frac\{([^{}]*)\}(\d)", r"\\frac{\1}{\2}", s)
-    s = re.sub(r"\\sqrt(\w)", r"\\sqrt{\1}", s)
+    s = re.sub(r"\\frac\s*(\d)\s*(\d)", r"\\frac{\1}{\2}", s)
+    s = re.sub(r"\\frac\{([^{}]*)\}\s*(\d)", r"\\frac{\1}{\2}", s)
+    s = re.sub(r"\\sqrt\s*([0-9a-zA-Z])", r"\\sqrt{\1}", s)  # \sqrt3, \sqrt 3 -> \sqrt{3}
     s = s.strip()
     if s.count("=") == 1 and re.fullmatch(r"\s*[a-zA-Z]\w?\s*", s.split("=")[0]):
         s = s.split("=")[1]  # "x = 5" -> "5"
@@ -113,15 +122,44 @@ def _as_fraction(s: str) -> Fraction | None:
     return None
 
 
+_NUM = r"(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?|\.\d+"
+_PLAIN_NUMBER = re.compile(rf"-?(?:{_NUM}|(?:{_NUM})/(?:{_NUM})|\\[dt]?frac(?:\{{-?(?:{_NUM})\}}){{2}}|\\[dt]?frac\d\d)")
+
+
+def _plain_number(raw: str) -> bool:
+    """A bare decimal number or fraction of them (``$`` and spaces aside): a rational that math-verify could
+    not read differently (unlike ``50\\%`` or ``5 \\text{cm}``, whose normalised forms drop something)."""
+    return _PLAIN_NUMBER.fullmatch(re.sub(r"[\s$]", "", raw).rstrip(".")) is not None
+
+
+def _math_verify(pred: str, truth: str) -> bool:
+    """math-verify on two extracted answers, each read as the content of a box.
+
+    Its timeouts use SIGALRM, which only the main thread may set; elsewhere it runs without one.
+    """
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    gold = parse(f"\\boxed{{{truth}}}", [LatexExtractionConfig()], parsing_timeout=timeout)
+    got = parse(
+        f"\\boxed{{{pred}}}", [LatexExtractionConfig(), ExprExtractionConfig()], parsing_timeout=timeout
+    )
+    if not gold or not got:
+        return False
+    return bool(verify(gold, got, timeout_seconds=timeout))
+
+
 def math_equal(pred: str, truth: str) -> bool:
-    """Equal after normalisation: exactly as rationals when both parse, else as strings."""
+    """Whether answer `pred` equals label `truth`: the exact fast paths, else math-verify (module docstring)."""
     a, b = normalize_answer(pred), normalize_answer(truth)
     if not a or not b:
         return False
     if a == b:
         return True
     fa, fb = _as_fraction(a), _as_fraction(b)
-    return fa is not None and fb is not None and fa == fb
+    if fa is not None and fb is not None and (fa == fb or (_plain_number(pred) and _plain_number(truth))):
+        return fa == fb
+    return _math_verify(pred, truth)
 
 
 def math_reward(response: str, label: str) -> float:
