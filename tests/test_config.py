@@ -135,7 +135,11 @@ def test_overrides():
         ("trainer.min_lr=1", r"trainer\.min_lr: must be <= trainer\.lr"),
         ("task.name=sudoku", r"task\.name: unknown task 'sudoku'; registered: .*countdown"),
         ("task.options.k_min=100", r"task\.options: .*k_min"),
-        ("task.options.colour=1", r"task\.options: task 'countdown': bad options"),
+        (
+            "task.options.k_mx=1",
+            r"task\.options: task 'countdown' has no option 'k_mx' \(did you mean 'k_max'\?\); its options: .*stride_max",
+        ),
+        ("task.options.colour=1", r"task\.options: task 'countdown' has no option 'colour'; its options:"),
         ("model.task=math", r"model\.task: 'math' is not a synthetic task"),
         (
             "model.tiny_overrides.hidden=1",

@@ -7,6 +7,9 @@ reward. `register_task` adds a factory under a new name.
 
 from __future__ import annotations
 
+import difflib
+import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -43,10 +46,24 @@ def synthetic_task_names() -> list[str]:
     return sorted(_SYNTHETIC)
 
 
+def task_options(name: str) -> list[str] | None:
+    """The keyword options the factory of task `name` takes (None: it takes any)."""
+    params = inspect.signature(_REGISTRY[name]).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
 def get_task(name: str, **kwargs: Any) -> Task:
     """The task registered as `name`, built with `kwargs` (a clear error for unknown names or options)."""
     if name not in _REGISTRY:
         raise ValueError(f"unknown task {name!r}; registered tasks: {', '.join(task_names())}")
+    allowed = task_options(name)
+    for key in kwargs if allowed is not None else ():
+        if key not in allowed:
+            close = difflib.get_close_matches(key, allowed, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"task {name!r} has no option {key!r}{hint}; its options: {', '.join(allowed)}")
     try:
         return _REGISTRY[name](**kwargs)
     except TypeError as e:
@@ -55,11 +72,7 @@ def get_task(name: str, **kwargs: Any) -> Task:
 
 register_task("countdown", CountdownTask, synthetic=True)
 # Same task with at most 16 terms (responses <= 70 tokens): for engine and loop tests that must be quick.
-register_task(
-    "countdown_short",
-    lambda **kw: CountdownTask(**{"name": "countdown_short", "k_max": 16, **kw}),
-    synthetic=True,
-)
+register_task("countdown_short", functools.partial(CountdownTask, name="countdown_short", k_max=16), synthetic=True)
 register_task("math", FileTask)
 
 __all__ = [
