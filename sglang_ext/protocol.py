@@ -10,15 +10,28 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 PROTOCOL_VERSION = 1
 MAX_HEADER_BYTES = 16 << 20
+MAX_HEADER_DEPTH = 16  # nesting of JSON arrays and objects in a header (a submit needs 5)
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # every JSON integer in a header
+INT32_MAX = 2**31 - 1  # weights versions and token counts (they travel as int32 buffers)
+MAX_ID_CHARS = 256  # a string request id
+MAX_RID_CHARS = 512  # a response id
+MAX_BUFFER_DIMS = 8
+TOP_K_MAX = 1 << 30  # SGLang's own "no top-k" value; anything at or above the vocabulary size is no top-k
+TEMPERATURE_MIN, TEMPERATURE_MAX = 1e-3, 100.0  # besides 0 (greedy)
+MAX_ITEMS = 1 << 16  # responses per submit, stop ids per sampling setting: 1 << 10
+MAX_EVENTS = 1 << 16
+MAX_BUCKET = 1 << 20
+REPLY_ONLY_FIELDS = ("ok", "error")
 
 # dtypes a buffer may declare; bfloat16 has no numpy type and is only accepted for weight tensors.
 NUMPY_DTYPES = {
@@ -63,6 +76,8 @@ class ProtocolError(Exception):
         self.code = code
         self.message = message
         self.details = details or {}
+        self.req_id: int | str | None = None  # what a malformed request's reply can echo
+        self.req_type: str | None = None
 
 
 # ---------------------------------------------------------------------------------------------- frames
@@ -70,9 +85,9 @@ class ProtocolError(Exception):
 
 class BufferSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    name: str
+    name: str = Field(min_length=1, max_length=MAX_RID_CHARS)
     dtype: str
-    shape: list[int]
+    shape: list[int] = Field(max_length=MAX_BUFFER_DIMS)
 
     def nbytes(self) -> int:
         return math.prod(self.shape) * ITEMSIZE[self.dtype]
@@ -83,7 +98,7 @@ class Header(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     proto: int
-    id: int | str | None = None
+    id: int | Annotated[str, Field(max_length=MAX_ID_CHARS)] | None = None  # JSON integers are int64
     type: str | None = None
     body: dict[str, Any] = Field(default_factory=dict)
     buffers: list[BufferSpec] = Field(default_factory=list)
@@ -151,30 +166,139 @@ def encode(header: Header, arrays: dict[str, np.ndarray] | None = None, raw: lis
         specs.append(spec)
         frames.append(data)
     header = header.model_copy(update={"buffers": specs})
-    return [header.model_dump_json(exclude_none=True).encode(), *frames]
+    text = header.model_dump_json(exclude_none=True)
+    if header.id is None:  # replies always carry `id`, null when the request's could not be read
+        text = '{"id":null,' + text[1:] if text != "{}" else '{"id":null}'
+    return [text.encode(), *frames]
 
 
-def decode(frames: Sequence[Any]) -> Message:
-    """Parse `[header, *buffers]`; raises ProtocolError(MALFORMED or PROTOCOL_VERSION) naming the fault."""
+class _HeaderValueError(ValueError):
+    pass
+
+
+def _parse_int(s: str) -> int:
+    if len(s) > 20:
+        raise _HeaderValueError(f"an integer of {len(s)} characters (JSON integers must fit in int64)")
+    v = int(s)
+    if not INT64_MIN <= v <= INT64_MAX:
+        raise _HeaderValueError(f"integer {s} does not fit in int64")
+    return v
+
+
+def _parse_float(s: str) -> float:
+    v = float(s)
+    if not math.isfinite(v):
+        raise _HeaderValueError(f"number {s[:40]} is not a finite float64")
+    return v
+
+
+def _parse_constant(s: str) -> float:
+    raise _HeaderValueError(f"{s} is not JSON")
+
+
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _nesting_depth(text: str) -> int:
+    """Deepest nesting of arrays and objects, strings skipped (one vectorized pass)."""
+    code = np.frombuffer(_JSON_STRING.sub("", text).encode(), np.uint8)
+    step = (code == ord("[")).astype(np.int32) + (code == ord("{"))
+    step -= (code == ord("]")).astype(np.int32) + (code == ord("}"))
+    return int(np.cumsum(step).max(initial=0))
+
+
+def _bad_string(obj: Any) -> bool:
+    """Whether any string (or key) is not valid Unicode (a lone surrogate from a `\\udXXX` escape)."""
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, str):
+            if not o.isascii():
+                try:
+                    o.encode("utf-8")
+                except UnicodeEncodeError:
+                    return True
+        elif isinstance(o, dict):
+            stack.extend(o.keys())
+            stack.extend(o.values())
+        elif isinstance(o, list):
+            stack.extend(o)
+    return False
+
+
+def parse_header_json(raw: bytes) -> Any:
+    """A header frame's JSON, bounded: strict UTF-8, nesting depth, int64 integers, finite floats, valid Unicode
+    strings. Every failure is ProtocolError(MALFORMED) naming it."""
+    if len(raw) > MAX_HEADER_BYTES:
+        raise ProtocolError(
+            ErrorCode.MALFORMED, f"header frame of {len(raw)} bytes exceeds the limit of {MAX_HEADER_BYTES}"
+        )
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ProtocolError(ErrorCode.MALFORMED, f"header frame is not UTF-8 JSON: {e}") from None
+    if text.count("[") + text.count("{") > MAX_HEADER_DEPTH and _nesting_depth(text) > MAX_HEADER_DEPTH:
+        raise ProtocolError(
+            ErrorCode.MALFORMED, f"header nests arrays/objects deeper than {MAX_HEADER_DEPTH} levels"
+        )
+    try:
+        obj = json.loads(
+            text, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_parse_constant
+        )
+    except _HeaderValueError as e:
+        raise ProtocolError(ErrorCode.MALFORMED, f"header frame holds {e}") from None
+    except (ValueError, RecursionError) as e:
+        raise ProtocolError(ErrorCode.MALFORMED, f"header frame is not UTF-8 JSON: {e}") from None
+    if _SURROGATE_ESCAPE.search(text) and _bad_string(obj):
+        raise ProtocolError(
+            ErrorCode.MALFORMED, "header holds a string with a lone surrogate escape (not valid Unicode)"
+        )
+    return obj
+
+
+def _readable(value: Any, limit: int, ints: bool) -> Any:
+    """`value` if a reply can echo it (an int64, or a short valid-Unicode string), else None."""
+    if ints and type(value) is int:
+        return value
+    if type(value) is str and len(value) <= limit and not _bad_string(value):
+        return value
+    return None
+
+
+def decode(frames: Sequence[Any], request: bool = False) -> Message:
+    """Parse `[header, *buffers]`; raises ProtocolError(MALFORMED or PROTOCOL_VERSION) naming the fault, with
+    `req_id` / `req_type` set to the request's id and type where they were readable. Header fields are
+    type-checked strictly (no coercion); `request` also refuses the reply-only fields."""
     if not frames:
         raise ProtocolError(ErrorCode.MALFORMED, "empty message (no header frame)")
     head = frames[0]
-    head_bytes = head.bytes if hasattr(head, "bytes") else bytes(head)
-    if len(head_bytes) > MAX_HEADER_BYTES:
-        raise ProtocolError(ErrorCode.MALFORMED, f"header frame of {len(head_bytes)} bytes exceeds the limit")
-    try:
-        obj = json.loads(head_bytes)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ProtocolError(ErrorCode.MALFORMED, f"header frame is not UTF-8 JSON: {e}") from None
+    obj = parse_header_json(head.bytes if hasattr(head, "bytes") else bytes(head))
     if not isinstance(obj, dict):
         raise ProtocolError(ErrorCode.MALFORMED, "header frame must be a JSON object")
-    if obj.get("proto") != PROTOCOL_VERSION:
+    try:
+        return _decode(obj, frames, request)
+    except ProtocolError as e:
+        e.req_id = _readable(obj.get("id"), MAX_ID_CHARS, ints=True)
+        e.req_type = _readable(obj.get("type"), 64, ints=False)
+        raise
+
+
+def _decode(obj: dict, frames: Sequence[Any], request: bool) -> Message:
+    proto = obj.get("proto")
+    if type(proto) is not int or proto != PROTOCOL_VERSION:
         raise ProtocolError(
             ErrorCode.PROTOCOL_VERSION,
-            f"protocol version {obj.get('proto')!r} is not supported; this server speaks {PROTOCOL_VERSION}",
+            f"protocol version {_short(proto)} is not supported; this server speaks {PROTOCOL_VERSION}",
         )
+    if request:
+        extra = [f for f in REPLY_ONLY_FIELDS if f in obj]
+        if extra:
+            raise ProtocolError(
+                ErrorCode.MALFORMED, f"header field(s) {extra} belong to replies, not to a request"
+            )
     try:
-        header = Header.model_validate(obj)
+        header = Header.model_validate(obj, strict=True)
     except ValidationError as e:
         raise ProtocolError(ErrorCode.MALFORMED, f"header: {_pydantic_message(e)}") from None
     if len(frames) - 1 != len(header.buffers):
@@ -212,9 +336,15 @@ def _pydantic_message(e: ValidationError) -> str:
     return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
 
 
+def _short(v: Any) -> str:
+    r = repr(v)
+    return r if len(r) <= 40 else r[:37] + "..."
+
+
 def parse_body(model: type[BaseModel], body: dict[str, Any], what: str) -> Any:
+    """The body as `model`, strictly: no type coercion (`true`, `1.0` or `"1"` are not integers)."""
     try:
-        return model.model_validate(body)
+        return model.model_validate(body, strict=True)
     except ValidationError as e:
         raise ProtocolError(ErrorCode.INVALID, f"{what}: {_pydantic_message(e)}") from None
 
@@ -236,32 +366,44 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+Version = Annotated[int, Field(ge=0, le=INT32_MAX)]  # weights versions travel as int32 per token
+Count = Annotated[int, Field(ge=0, le=INT32_MAX)]
+Rid = Annotated[str, Field(min_length=1, max_length=MAX_RID_CHARS)]
+
+
 class SamplingParams(_Body):
     """What the engine samples with. Log-probs are of log_softmax(logits / temperature); temperature 0 is
     greedy decoding and reports log_softmax(logits) (temperature 1). top_p/top_k/min_p truncate sampling but
     the reported log-prob stays that of the untruncated tempered distribution (keep them off for RL)."""
 
-    temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = -1
-    min_p: float = Field(0.0, ge=0.0, lt=1.0)
+    temperature: float = Field(1.0, ge=0.0, le=TEMPERATURE_MAX, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int = Field(-1, ge=-1, le=TOP_K_MAX)
+    min_p: float = Field(0.0, ge=0.0, lt=1.0, allow_inf_nan=False)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    sampling_seed: int | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = Field(None, max_length=1 << 10)
+    sampling_seed: int | None = Field(None, ge=0, le=INT64_MAX)
 
     @field_validator("top_k")
     @classmethod
     def _top_k(cls, v: int) -> int:
-        if v == 0 or v < -1:
-            raise ValueError("top_k must be -1 (off) or >= 1")
+        if v == 0:
+            raise ValueError(f"top_k must be -1 (off) or in [1, {TOP_K_MAX}]")
+        return v
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, v: float) -> float:
+        if 0 < v < TEMPERATURE_MIN:
+            raise ValueError(f"temperature must be 0 (greedy) or in [{TEMPERATURE_MIN}, {TEMPERATURE_MAX}]")
         return v
 
 
 class SubmitItem(_Body):
-    rid: str = Field(min_length=1, max_length=512)
-    prompt_len: int = Field(ge=1)
-    prefix_len: int = Field(0, ge=0)
-    max_new_tokens: int = Field(ge=1)  # budget of the whole response, prefix included
+    rid: Rid
+    prompt_len: int = Field(ge=1, le=INT32_MAX)
+    prefix_len: Count = 0
+    max_new_tokens: int = Field(ge=1, le=INT32_MAX)  # budget of the whole response, prefix included
     sampling: SamplingParams | None = None  # overrides the message's
 
 
@@ -270,9 +412,9 @@ class SubmitBody(_Body):
     prefix_ids: prefix_logprobs float32, prefix_versions int32, prefix_routed_experts [.., layers, top_k];
     optional prompt_routed_experts [sum(prompt_len - 1), layers, top_k]."""
 
-    items: list[SubmitItem]
+    items: list[SubmitItem] = Field(max_length=MAX_ITEMS)
     sampling: SamplingParams = Field(default_factory=SamplingParams)
-    expect_version: int | None = None
+    expect_version: Version | None = None
 
 
 class PauseBody(_Body):
@@ -284,7 +426,7 @@ class ResumeBody(_Body):
 
 
 class TruncateBody(_Body):
-    keep: dict[str, int]
+    keep: dict[str, int]  # each keep length is checked against its response: KEEP_OUT_OF_RANGE
 
 
 class DropBody(_Body):
@@ -297,23 +439,23 @@ class FetchBody(_Body):
 
 
 class EventsBody(_Body):
-    after: int = Field(-1, ge=-1)  # acknowledge every event with seq <= after
-    wait_s: float = Field(0.0, ge=0.0, le=60.0)
-    max_events: int = Field(4096, ge=1)
+    after: int = Field(0, ge=0, le=INT64_MAX)  # acknowledge every event with seq <= after (seqs start at 1)
+    wait_s: float = Field(0.0, ge=0.0, le=60.0, allow_inf_nan=False)
+    max_events: int = Field(4096, ge=1, le=MAX_EVENTS)
 
 
 class UpdateWeightsBody(_Body):
     """One bucket; buffers are the tensors, named by their Hugging Face names."""
 
-    version: int
-    bucket: int = Field(0, ge=0)
+    version: Version
+    bucket: int = Field(0, ge=0, le=MAX_BUCKET)
     commit: bool = True
     flush_cache: bool = True
 
 
 class UpdateWeightsFromDiskBody(_Body):
-    path: str
-    version: int
+    path: str = Field(min_length=1, max_length=4096)
+    version: Version
 
 
 class FlushBody(_Body):
@@ -325,6 +467,10 @@ class StatsBody(_Body):
 
 
 class HealthBody(_Body):
+    pass
+
+
+class WeightsBody(_Body):
     pass
 
 
@@ -345,10 +491,34 @@ BODIES: dict[str, type[BaseModel]] = {
     "flush": FlushBody,
     "stats": StatsBody,
     "health": HealthBody,
+    "weights": WeightsBody,
     "shutdown": ShutdownBody,
 }
 # Answered at once, beside whatever command is executing; everything else runs one at a time in arrival order.
-QUERY_TYPES = frozenset({"events", "stats", "health", "fetch"})
+QUERY_TYPES = frozenset({"events", "stats", "health", "fetch", "weights"})
+SUBMIT_BUFFERS = frozenset(
+    {
+        "prompt_ids",
+        "prefix_ids",
+        "prefix_logprobs",
+        "prefix_versions",
+        "prefix_routed_experts",
+        "prompt_routed_experts",
+    }
+)
+
+
+def check_buffer_names(typ: str, msg: Message) -> None:
+    """Refuse buffers a request type does not take (update_weights' are named by the weights themselves)."""
+    if typ == "update_weights":
+        return
+    allowed = SUBMIT_BUFFERS if typ == "submit" else frozenset()
+    unknown = [n for n in msg.frames if n not in allowed]
+    if unknown:
+        takes = f"its buffers are {sorted(allowed)}" if allowed else "it takes none"
+        raise ProtocolError(
+            ErrorCode.INVALID, f"{typ} takes no buffer named {_short(unknown[0])} ({takes})"
+        )
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
@@ -384,9 +554,13 @@ class Output:
         return self.finish_reason is not None
 
 
-def encode_outputs(outputs: list[Output]) -> tuple[dict, dict[str, np.ndarray]]:
+def encode_outputs(
+    outputs: list[Output], seqs: bool = False, route_shape: Any = None
+) -> tuple[dict, dict[str, np.ndarray]]:
     """Pack many outputs into one body and a constant number of buffers: per-token arrays concatenated in item
-    order, per-item integers as int32/int64 arrays, only the response ids (and finish reasons) as JSON."""
+    order, per-item integers as int32/int64 arrays, only the response ids (and finish reasons) as JSON.
+    `seqs` (events) and `route_shape` (MoE: layers, top_k, dtype) make those buffers present even when the
+    batch is empty, as the doc lists them."""
     body: dict[str, Any] = {"rids": [o.rid for o in outputs]}
     if any(o.finish_reason is not None for o in outputs):
         body["finish"] = [o.finish_reason for o in outputs]
@@ -404,7 +578,7 @@ def encode_outputs(outputs: list[Output]) -> tuple[dict, dict[str, np.ndarray]]:
         "logprobs": _cat([o.logprobs for o in outputs], np.float32),
         "versions": _cat([o.versions for o in outputs], np.int32),
     }
-    if any(o.seq is not None for o in outputs):
+    if seqs or any(o.seq is not None for o in outputs):
         arrays["seqs"] = np.fromiter(
             (-1 if o.seq is None else o.seq for o in outputs), np.int64, len(outputs)
         )
@@ -413,6 +587,8 @@ def encode_outputs(outputs: list[Output]) -> tuple[dict, dict[str, np.ndarray]]:
         if len(routes) != len(outputs):
             raise ValueError("either every output carries routed experts or none does")
         arrays["routed_experts"] = np.concatenate(routes)
+    elif route_shape is not None and not outputs:
+        arrays["routed_experts"] = np.zeros((0, route_shape.layers, route_shape.top_k), route_shape.dtype)
     prompt_routes = [o.prompt_routed_experts for o in outputs if o.prompt_routed_experts is not None]
     if prompt_routes:
         arrays["prompt_route_rows"] = np.fromiter(

@@ -15,6 +15,7 @@ import contextlib
 import ipaddress
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -28,6 +29,7 @@ import numpy as np
 
 from sglang_ext.protocol import (
     BODIES,
+    INT32_MAX,
     PROTOCOL_VERSION,
     QUERY_TYPES,
     DropBody,
@@ -43,6 +45,7 @@ from sglang_ext.protocol import (
     TruncateBody,
     UpdateWeightsBody,
     UpdateWeightsFromDiskBody,
+    check_buffer_names,
     decode,
     encode,
     encode_outputs,
@@ -87,7 +90,10 @@ def bind_address(endpoint: str) -> str:
 
 
 def check_endpoint(cfg: ServeConfig) -> None:
-    """Refuse anything but loopback (or ipc) unless CURVE keys are configured: the channel can replace weights."""
+    """Refuse anything but loopback (or ipc) unless CURVE keys are configured: the channel can replace weights.
+    Also refuses a starting weights version outside [0, 2**31 - 1] (versions travel as int32 per token)."""
+    if not 0 <= cfg.version <= INT32_MAX:
+        raise ConfigError(f"--weights-version {cfg.version} is outside [0, {INT32_MAX}]")
     ep = cfg.control
     if cfg.curve:
         if not cfg.curve_authorized_keys:
@@ -203,8 +209,12 @@ class ControlServer:
 
     def _model_info(self) -> dict[str, Any]:
         rs = self.route_shape
+        archs = self.info.config.get("architectures") or [None]
         return {
             "model": str(self.info.path),
+            "architecture": archs[0],
+            "model_type": self.info.config.get("model_type"),
+            "context_len": int(getattr(self.engine, "context_len", 0) or self.info.context_len or 0),
             "vocab_size": self.info.vocab_size,
             "routed_experts": rs is not None,
             "layers": rs.layers if rs else None,
@@ -284,16 +294,22 @@ class ControlServer:
     def _on_frames(self, frames: list) -> None:
         identity = frames[0].bytes
         try:
-            msg = decode(frames[1:])
+            msg = decode(frames[1:], request=True)
         except ProtocolError as e:
-            self._send(identity, error_header(_best_effort_id(frames[1:]), None, e))
+            self._send(identity, error_header(e.req_id, e.req_type, e))
+            return
+        except Exception as e:  # a parser fault must cost one error reply, never the server
+            log.exception("decoding a request failed")
+            err = ProtocolError(ErrorCode.MALFORMED, f"unreadable request: {type(e).__name__}")
+            self._send(identity, error_header(None, None, err))
             return
         typ = msg.header.type
         if typ not in BODIES:
+            shown = typ if typ is None or len(typ) <= 64 else typ[:61] + "..."
             err = ProtocolError(
-                ErrorCode.UNKNOWN_TYPE, f"unknown message type {typ!r}; known: {sorted(BODIES)}"
+                ErrorCode.UNKNOWN_TYPE, f"unknown message type {shown!r}; known: {sorted(BODIES)}"
             )
-            self._send(identity, error_header(msg.header.id, typ, err))
+            self._send(identity, error_header(msg.header.id, shown, err))
             return
         received = (time.perf_counter(), time.time())
         if typ in QUERY_TYPES:
@@ -312,6 +328,7 @@ class ControlServer:
             if self._stopping and typ != "health":
                 raise ProtocolError(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
             body = parse_body(BODIES[typ], msg.body, typ)
+            check_buffer_names(typ, msg)
             reply_body, arrays, raw = await getattr(self, f"_op_{typ}")(body, msg)
             reply_body["handled_s"] = time.perf_counter() - received[0]  # arrival to reply, queueing included
             # wall-clock stamps: with the client's own, they split a call's latency into its two hops
@@ -332,6 +349,15 @@ class ControlServer:
     ) -> None:
         try:
             frames = encode(header, arrays, raw)
+        except Exception as e:  # answered with an error that can be encoded: every request gets one reply
+            log.exception("could not encode a %s reply", header.type)
+            err = ProtocolError(
+                ErrorCode.ENGINE_ERROR,
+                f"the reply could not be encoded ({type(e).__name__}); if the request changed state, "
+                "stats and fetch show it",
+            )
+            frames = encode(error_header(header.id, header.type, err))
+        try:
             self.sock.send_multipart([identity, *frames], copy=False)
         except Exception as e:  # a vanished peer must not stop the server
             log.warning("could not send a %s reply: %s", header.type, e)
@@ -342,7 +368,6 @@ class ControlServer:
         if rec.remaining <= 0:
             self._finish(rec, "length")
             return
-        rec.state = State.RUNNING
         rec.launch_len = n = len(rec)
         rec.launch_version = self.version
         plen = len(rec.prompt)
@@ -354,6 +379,7 @@ class ControlServer:
         sampling["max_new_tokens"] = rec.remaining
         input_ids = np.concatenate([rec.prompt, rec.tokens]).tolist()
         rec.task = self._spawn(self._generate(rec, rec.engine_rid(), input_ids, sampling, routes_start))
+        rec.state = State.RUNNING
 
     async def _generate(
         self, rec: Record, erid: str, input_ids: list[int], sampling: dict, routes_start
@@ -368,7 +394,12 @@ class ControlServer:
         if self.records.get(rec.rid) is not rec or rec.state is not State.RUNNING:
             return  # dropped meanwhile
         rec.task = None
-        self._absorb(rec, res, routes_start)
+        try:
+            self._absorb(rec, res, routes_start)
+        except Exception as e:  # never leave a response running with no engine request behind it
+            log.exception("response %s: recording the engine's output failed", rec.rid)
+            if rec.state is State.RUNNING:
+                self._finish(rec, "error", f"recording the engine's output failed: {type(e).__name__}: {e}")
 
     def _absorb(self, rec: Record, res: Any, routes_start: int | None) -> None:
         m = len(res.output_ids)
@@ -454,8 +485,8 @@ class ControlServer:
                 f"submit expects weights version {body.expect_version} but the server serves {self.version}",
             )
         items = body.items
-        prompts = msg.array("prompt_ids", ["int32", "int64"], 1)
-        prefixes = msg.array("prefix_ids", ["int32", "int64"], 1, required=False)
+        prompts = msg.array("prompt_ids", ["int32"], 1)
+        prefixes = msg.array("prefix_ids", ["int32"], 1, required=False)
         plens = [it.prompt_len for it in items]
         xlens = [it.prefix_len for it in items]
         if len(prompts) != sum(plens):
@@ -486,6 +517,11 @@ class ControlServer:
         for arr, what in ((prompts, "prompt_ids"), (prefixes, "prefix_ids")):
             if len(arr) and (int(arr.min()) < 0 or int(arr.max()) >= vocab):
                 raise ProtocolError(ErrorCode.INVALID, f"{what} holds ids outside [0, {vocab})")
+        for sp, what in [(body.sampling, "sampling")] + [
+            (it.sampling, f"items.{i}.sampling") for i, it in enumerate(items) if it.sampling is not None
+        ]:
+            if sp.stop_token_ids and max(sp.stop_token_ids) >= vocab:
+                raise ProtocolError(ErrorCode.INVALID, f"{what}.stop_token_ids holds ids outside [0, {vocab})")
         ctx = getattr(self.engine, "context_len", 0)
         for it in items:
             if it.prefix_len >= it.max_new_tokens:
@@ -549,10 +585,19 @@ class ControlServer:
         for k in ("prefix_logprobs", "prefix_versions"):
             if out[k] is not None and len(out[k]) != nx:
                 raise ProtocolError(ErrorCode.INVALID, f"{k} has {len(out[k])} entries, prefix_ids {nx}")
+        vers = out["prefix_versions"]
+        if vers is not None and len(vers) and int(vers.min()) < -1:
+            raise ProtocolError(
+                ErrorCode.INVALID, f"prefix_versions holds {int(vers.min())}; versions are -1 (unknown) or >= 0"
+            )
         for k, rows in (("prefix_routed_experts", nx), ("prompt_routed_experts", sum(plens) - len(plens))):
             arr = msg.array(k, ["uint8", "int16", "int32", "int64"], 3, required=False)
-            if arr is None or self.route_shape is None:
+            if arr is None:
                 continue
+            if self.route_shape is None:
+                raise ProtocolError(
+                    ErrorCode.INVALID, f"{k}: this server returns no routed experts (health: routed_experts)"
+                )
             rs = self.route_shape
             if arr.shape != (rows, rs.layers, rs.top_k):
                 raise ProtocolError(
@@ -577,7 +622,7 @@ class ControlServer:
         engine_s = await self._stop_running(running)
         t0 = time.perf_counter()
         outputs = [r.take_delta() for r in running if r.state is State.PAUSED]
-        body_out, arrays = encode_outputs(outputs)
+        body_out, arrays = encode_outputs(outputs, route_shape=self.route_shape)
         body_out.update(
             event_seq=self._seq, engine_s=engine_s, server_s=time.perf_counter() - t0, version=self.version
         )
@@ -709,7 +754,16 @@ class ControlServer:
         for name, (spec, raw) in msg.frames.items():
             dt = getattr(torch, spec.dtype)
             t = torch.frombuffer(bytearray(raw), dtype=dt) if raw.nbytes else torch.zeros(0, dtype=dt)
+            # one float64 sum per tensor: finite exactly when every value is (no finite float32 sum overflows it)
+            if t.numel() and not math.isfinite(float(t.sum(dtype=torch.float64))):
+                problems.append(f"weight {name!r} holds non-finite values (NaN or inf)")
             out.append((name, t.reshape(spec.shape)))
+        if problems:
+            raise ProtocolError(
+                ErrorCode.WEIGHT_INVALID,
+                "; ".join(problems[:5]) + ". Nothing was applied: the old weights keep serving",
+                {"problems": problems[:100]},
+            )
         return out
 
     async def _op_update_weights_from_disk(self, body: UpdateWeightsFromDiskBody, msg):
@@ -718,8 +772,10 @@ class ControlServer:
         self._require_idle("update_weights_from_disk")
         try:
             other = inspect_model_folder(body.path)
-        except ModelFolderError as e:
-            raise ProtocolError(ErrorCode.WEIGHT_INVALID, f"{e}; the old weights keep serving") from None
+        except (ModelFolderError, OSError, ValueError) as e:  # OSError/ValueError: an unusable path (NUL, too long)
+            raise ProtocolError(
+                ErrorCode.WEIGHT_INVALID, f"{_short_path(body.path)}: {e}; the old weights keep serving"
+            ) from None
         mine, theirs = self.info.weights, other.weights
         problems = [f"missing weight {n!r}" for n in mine if n not in theirs]
         problems += [f"unknown weight name {n!r}" for n in theirs if n not in mine]
@@ -727,6 +783,11 @@ class ControlServer:
             f"weight {n!r} has shape {list(theirs[n][0])} but the model's is {list(s)}"
             for n, (s, _) in mine.items()
             if n in theirs and theirs[n][0] != s
+        ]
+        problems += [
+            f"weight {n!r} has dtype {d}; expected one of {list(WEIGHT_DTYPES)}"
+            for n, (_, d) in theirs.items()
+            if n in mine and d not in WEIGHT_DTYPES and mine[n][1] in WEIGHT_DTYPES
         ]
         if problems:
             raise ProtocolError(
@@ -761,13 +822,13 @@ class ControlServer:
                 await asyncio.wait_for(fut, body.wait_s)
             self._waiters.discard(fut)
         batch = [e for _, e in zip(range(body.max_events), self._events, strict=False)]
-        out, arrays = encode_outputs(batch)
+        out, arrays = encode_outputs(batch, seqs=True, route_shape=self.route_shape)
         out["last_seq"] = self._seq
         return out, arrays, None
 
     async def _op_fetch(self, body: FetchBody, msg):
         recs = list(self.records.values()) if body.rids is None else self._lookup(body.rids)
-        out, arrays = encode_outputs([r.snapshot() for r in recs])
+        out, arrays = encode_outputs([r.snapshot() for r in recs], route_shape=self.route_shape)
         out["states"] = [r.state.value for r in recs]
         out["prompt_lens"] = [len(r.prompt) for r in recs]
         out["max_new_tokens"] = [r.max_new_tokens for r in recs]
@@ -798,6 +859,12 @@ class ControlServer:
             out["engine"] = await self.engine.loads()
         return out, None, None
 
+    async def _op_weights(self, body, msg):
+        weights = [
+            {"name": n, "shape": list(shape), "dtype": dtype} for n, (shape, dtype) in self.info.weights.items()
+        ]
+        return {"weights": weights, "version": self.version}, None, None
+
     async def _op_health(self, body, msg):
         alive = self.engine.children_alive()
         return (
@@ -820,14 +887,8 @@ def _part(arr: np.ndarray | None, sl: slice) -> np.ndarray | None:
     return None if arr is None else arr[sl]
 
 
-def _best_effort_id(frames: list) -> Any:
-    try:
-        head = frames[0].bytes if hasattr(frames[0], "bytes") else bytes(frames[0])
-        obj = json.loads(head)
-        rid = obj.get("id") if isinstance(obj, dict) else None
-        return rid if isinstance(rid, int | str) else None
-    except Exception:
-        return None
+def _short_path(path: str) -> str:
+    return repr(path) if len(path) <= 200 else repr(path[:197] + "...")
 
 
 # ---------------------------------------------------------------------------------------------- entry points
