@@ -172,11 +172,13 @@ def make_tiny_model(out: str | os.PathLike, spec: TinyModelSpec, force: bool = F
 
 
 def cache_root() -> Path:
-    """Shared cache for tiny models: ROLLVERIFY_CACHE, else `.cache/` at the repository root."""
+    """The project's cache (tiny models): $ROLLVERIFY_CACHE, else rollverify/ in the user's cache folder
+    ($XDG_CACHE_HOME, else ~/.cache). One copy serves every checkout, installed copy, test session and demo."""
     env = os.environ.get("ROLLVERIFY_CACHE")
     if env:
-        return Path(env)
-    return Path(__file__).resolve().parent.parent / ".cache"
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "rollverify"
 
 
 def ensure_tiny_model(spec: TinyModelSpec | None = None, **overrides) -> Path:
