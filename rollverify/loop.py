@@ -5,10 +5,15 @@ For step k under policy version k:
 1. Rollout: carried-over responses resume first (the engine kept them paused), unfinished ones it no longer
    holds are resubmitted from prompt + kept prefix, and new GRPO groups launch while capacity frees up. In the
    carry-over modes the phase ends as soon as B groups have finished and every live response is paused, its
-   partial output recorded; in `on_policy` it waits for every launched group.
+   partial output recorded. In `on_policy` the phase completes exactly B groups: the buffer's first B (a
+   backlog left by a switch; finished ones first, then oldest first), new ones for the rest; backlog groups
+   beyond B wait off the engines, holding no tokens, for a later step.
 2. Train: the first B finished groups make one optimizer step (version k -> k+1).
 3. Verify: every response still in the buffer (all went stale) is checked against version k+1 by the
-   strategy of the mode and cut to its verified prefix, in the buffer and on the engine.
+   strategy of the mode and cut to its verified prefix, in the buffer and on the engine. The verification
+   that switches to on_policy keeps the verified prefixes of the B groups the next step completes and sends
+   every other group back to its prompt, off the engines: the switch wastes at most the backlog of that one
+   step, and every later step generates only what it trains.
 4. Resync: the new weights reach the engines, after the truncation decisions.
 
 The loop owns the truth about every response (`RolloutBuffer`); the engine is a cache of it, so a crashed
@@ -153,24 +158,28 @@ class Loop:
         generated_before = self.ledger.generated_tokens
         self.engine.resume()
         self.paused = False
-        # after a restore or a lost server the engine no longer holds some unfinished responses
-        fresh = [buffer.get(p.response_id) for p in buffer.pending() if p.response_id not in self.on_engine]
-        self._submit(fresh)
-        # on_policy launches exactly what completes B groups; the carry-over modes keep the engines full
-        budget_groups = max(0, cfg.batch_groups - len(buffer.groups)) if not carries_over else None
+        # on_policy completes exactly B groups, the backlog's first; the carry-over modes keep the engines full
+        phase = None if carries_over else self._on_policy_groups()
+        runnable = [
+            p for p in buffer.pending() if phase is None or buffer.get(p.response_id).group_id in phase
+        ]
+        # after a restore, a lost server or a switch the engine no longer holds some unfinished responses
+        self._submit([buffer.get(p.response_id) for p in runnable if p.response_id not in self.on_engine])
         launched_now = 0
         last_progress = time.monotonic()
         while True:
-            while self._room() and (budget_groups is None or launched_now < budget_groups):
-                self._launch_group()
+            while self._room() and (phase is None or len(phase) < cfg.batch_groups):
+                group_id = self._launch_group()
+                if phase is not None:
+                    phase.append(group_id)
                 launched_now += 1
             done = self._record(self.engine.wait_finished(cfg.wait_s))
             if done:
                 last_progress = time.monotonic()
-            if carries_over and buffer.num_finished >= cfg.batch_groups:
+            if phase is None and buffer.num_finished >= cfg.batch_groups:
                 break
-            if not carries_over and self._num_live() == 0:
-                break  # on_policy: everything launched has finished
+            if phase is not None and len(phase) == cfg.batch_groups and all(buffer.groups[g].finished for g in phase):
+                break  # on_policy: the phase's B groups have finished
             if time.monotonic() - last_progress > cfg.phase_timeout_s:
                 raise TimeoutError(
                     f"rollout made no progress for {cfg.phase_timeout_s:.0f} s "
@@ -186,18 +195,27 @@ class Loop:
             "n_paused": len(paused),
         }
 
+    def _on_policy_groups(self) -> list[int]:
+        """The buffer groups an on_policy phase completes: finished ones in completion order, then the
+        others oldest first, at most B."""
+        completed = set(self.buffer.completed)
+        waiting = sorted(g for g in self.buffer.groups if g not in completed)
+        return [*self.buffer.completed, *waiting][: self.cfg.batch_groups]
+
     def _num_live(self) -> int:
-        return sum(1 for g in self.buffer.groups.values() for r in g.responses if not r.finished)
+        """Unfinished responses the engines hold (backlog groups waiting off the engines do not count)."""
+        return sum(1 for rid in self.on_engine if not self.buffer.get(rid).finished)
 
     def _room(self) -> bool:
         return self._num_live() + self.cfg.n <= self.cfg.max_live
 
-    def _launch_group(self) -> None:
+    def _launch_group(self) -> int:
         group = self.make_group(self.next_group_id)
         self.next_group_id += 1
         self.buffer.add_group(group)
         self.ledger.launched += group.n
         self._submit(group.responses)
+        return group.group_id
 
     def _submit(self, responses: Sequence[Response]) -> None:
         if responses:
@@ -256,15 +274,19 @@ class Loop:
                           torch.from_numpy(np.concatenate(new_lp)))
             stats["ops_mean"] = float(d[torch.isfinite(d)].mean()) if d.numel() else float("nan")
         outcome = self.strategy.apply(carried, new_lp, self.version)
-        decisions = outcome.decisions
+        cut = self.buffer.apply_truncation(outcome.decisions)
+        self.ledger.restarted += int(sum(1 for k in outcome.keep_lengths if k == 0))
+        held, held_cut = self._hold_backlog() if outcome.switched else (set(), 0)
+        cut += held_cut
+        self.ledger.cut_tokens += cut
         cuts = {
             rid: int(k)
             for rid, k, n in zip(outcome.response_ids, outcome.keep_lengths, outcome.lengths, strict=True)
-            if k < n and rid in self.on_engine
+            if k < n and rid in self.on_engine and rid not in held
         }
-        cut = self.buffer.apply_truncation(decisions)
-        self.ledger.cut_tokens += cut
-        self.ledger.restarted += int(sum(1 for k in outcome.keep_lengths if k == 0))
+        if held & self.on_engine:
+            self.engine.drop(sorted(held & self.on_engine))
+            self.on_engine.difference_update(held)
         if cuts:
             if not self.paused:  # on_policy: cut responses must not relaunch before the weights move
                 self._record(self.engine.pause())
@@ -280,9 +302,19 @@ class Loop:
             "verified_tokens": s.get("verified_tokens", 0.0),
             "kept_tokens": s.get("kept_tokens", 0.0),
             "cut_tokens": float(cut),
+            "held_back_cut_tokens": float(held_cut),
             "switched": bool(outcome.switched),
             **({"switch_reason": outcome.switch_reason} if outcome.switched else {}),
         }
+
+    def _hold_backlog(self) -> tuple[set[str], int]:
+        """At the switch to on_policy: every group but the B the next step completes restarts from its prompt
+        and leaves the engines until an on_policy phase takes it. Returns (its response ids, tokens cut)."""
+        keep = set(self._on_policy_groups())
+        held = [r for g in self.buffer.groups.values() if g.group_id not in keep for r in g.responses]
+        self.ledger.restarted += sum(1 for r in held if r.num_tokens)
+        cut = self.buffer.apply_truncation({r.response_id: 0 for r in held if r.num_tokens})
+        return {r.response_id for r in held}, cut
 
     # --- checkpoints ----------------------------------------------------------------------------------------
 

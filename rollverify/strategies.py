@@ -270,8 +270,8 @@ class RollVerify(Strategy):
 class Switching(Strategy):
     """Wraps a carry-over strategy; after ``switch`` fires it behaves as on_policy for the rest of the run.
 
-    The verification that triggers the switch still applies: those responses resume once more and are
-    completed inside the next (on-policy) step.
+    The verification that triggers the switch still applies; the loop then keeps the verified prefixes of
+    the B groups the next (on-policy) step completes and sends the rest of the backlog back to its prompts.
     """
 
     def __init__(self, inner: Strategy, switch: ConditionalSwitch) -> None:

@@ -241,7 +241,8 @@ def test_resume_at_step_k_reaches_the_same_states_as_a_run_that_never_stopped(tm
     assert b.buffer.carried_over(), "the scenario needs responses carried over the checkpoint"
 
     def same(x: dict) -> dict:
-        return {k: v for k, v in x.items() if not k.endswith("_s")}  # all but wall-clock times
+        # all but wall-clock times; NaN (no carried-over responses) equals NaN
+        return {k: "nan" if v != v else v for k, v in x.items() if not k.endswith("_s")}
 
     for _ in range(4):
         ma, mb = a.run_step().metrics, b.run_step().metrics
@@ -255,3 +256,39 @@ def test_resume_at_step_k_reaches_the_same_states_as_a_run_that_never_stopped(tm
         np.testing.assert_array_equal(r.token_ids, rb[rid].token_ids)
         np.testing.assert_array_equal(r.versions, rb[rid].versions)
         np.testing.assert_array_equal(r.logprobs, rb[rid].logprobs)
+
+
+def _per_step(loop: Loop, steps: int) -> list[dict]:
+    out = []
+    for _ in range(steps):
+        trained, cut = loop.ledger.trained_tokens, loop.ledger.cut_tokens
+        m = loop.run_step().metrics  # Ledger.check runs inside
+        out.append({**m, "trained": loop.ledger.trained_tokens - trained, "cut": loop.ledger.cut_tokens - cut,
+                    "engine_groups": {rid.split("-")[0] for rid in loop.engine.tracked}})
+    return out
+
+
+def test_after_the_switch_no_backlog_is_generated_and_thrown_away():
+    # a large over-provisioned backlog (~30 groups for B = 4) when partial acceptance switches to on_policy
+    def run(mode: str, **algo) -> list[dict]:
+        loop, _, _ = make_loop(mode, drift=0.006, **algo)
+        loop.cfg.max_live = 48
+        return _per_step(loop, 14)
+
+    steps = run("rollverify", switch_window=2, switch_tau=0.5)
+    at = next(i for i, m in enumerate(steps) if m["switched"])
+    switch_step, after = steps[at], steps[at + 1 :]
+    assert 1 <= at <= 4 and switch_step["n_carried"] > 40
+    # the switch's whole cost: the backlog it sends back to the prompts, no more than one step's generation
+    held_back = switch_step.get("held_back_cut_tokens", 0.0)
+    wasted = held_back + sum(m["cut"] for m in after)
+    assert 0 < wasted <= switch_step["tokens_generated"]
+    assert len(switch_step["engine_groups"]) <= 4  # only the next step's groups stay on the engine
+    for m in after:
+        assert m["mode"] == "on_policy" and m["n_finished_groups"] == 4 and m["cut"] == 0
+    # after it, tokens generated per trained token as in pure on_policy (where they are equal)
+    ratio = sum(m["tokens_generated"] for m in after) / sum(m["trained"] for m in after)
+    on_policy = run("on_policy")
+    pure = sum(m["tokens_generated"] for m in on_policy) / sum(m["trained"] for m in on_policy)
+    assert abs(ratio / pure - 1) <= 0.10
+    assert [m["n_launched_groups"] for m in after[:6]] == [0] * 6  # the backlog trains before new groups launch
