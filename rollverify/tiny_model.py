@@ -7,6 +7,7 @@ byte-identical files, so one cached copy serves every test session and the demo.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -133,6 +134,19 @@ def _init_model(spec: TinyModelSpec):
     return model
 
 
+@contextlib.contextmanager
+def _no_progress_bars():
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
 def is_tiny_model(path: Path) -> bool:
     return (Path(path) / MARKER).is_file()
 
@@ -159,7 +173,8 @@ def make_tiny_model(out: str | os.PathLike, spec: TinyModelSpec, force: bool = F
             from rollverify.warm_start import warm_start  # supervised warm start on a synthetic task
 
             model = warm_start(model, build_tokenizer(spec.vocab_size), spec)
-        model.save_pretrained(tmp, safe_serialization=True)
+        with _no_progress_bars():  # a one-shard bar ("Writing model shards") says nothing
+            model.save_pretrained(tmp, safe_serialization=True)
         build_tokenizer(spec.vocab_size).save_pretrained(tmp)
         (tmp / MARKER).write_text(json.dumps({"digest": spec.digest(), "spec": asdict(spec)}, indent=1) + "\n")
         if out.exists():

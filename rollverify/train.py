@@ -9,36 +9,37 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
+from rollverify import rundir
 from rollverify.buffer import RolloutBuffer
 from rollverify.config import RunConfig, load_config
+from rollverify.console import Progress, quiet_cpu_warnings, say, stage
 from rollverify.interfaces import SamplingParams
 from rollverify.loop import Loop, LoopConfig
 from rollverify.metrics import MetricsWriter
 from rollverify.tasks import get_task
 from rollverify.types import Group, Response
 
-CKPT = "checkpoint"
+CKPT = rundir.CHECKPOINT
 
 
 def resolve_model(cfg: RunConfig) -> Path:
     """A local checkpoint folder, or the cached tiny model (warm-started on the task) of the CPU default."""
     if cfg.model.path:
-        path = Path(cfg.model.path)
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"model.path={path} has no config.json: point it at a local HF checkpoint")
-        return path
+        cfg.check_paths()
+        return Path(cfg.model.path).expanduser()
     from rollverify.tiny_model import TinyModelSpec, ensure_tiny_model
 
-    return ensure_tiny_model(TinyModelSpec(**cfg.model.tiny_spec()))
+    with stage("tiny model") as st:
+        path = ensure_tiny_model(TinyModelSpec(**cfg.model.tiny_spec()))
+        st.detail = str(path)
+    return path
 
 
 class Run:
@@ -53,7 +54,9 @@ class Run:
         self.task = get_task(cfg.task.name, **cfg.task.options)
         self.engine = self._start_engine()
         try:
-            self.trainer = self._start_trainer()
+            with stage("trainer") as st:
+                self.trainer = self._start_trainer()
+                st.detail = f"Megatron-Core, world size {cfg.trainer.world_size}"
             self.engine.weight_source = self.trainer.export_weights  # a restarted server gets the current policy
             if cfg.rollout.endpoints:
                 self.engine.update_weights(self.trainer.export_weights(), 0)
@@ -88,8 +91,10 @@ class Run:
 
         r = self.cfg.rollout
         if r.endpoints:  # servers someone else runs: clear them; the trainer's weights are pushed below
-            engine = SGLangRolloutEngine(r.endpoints, timeout_s=r.server_timeout_s)
-            engine.reset()
+            with stage("servers") as st:
+                engine = SGLangRolloutEngine(r.endpoints, timeout_s=r.server_timeout_s)
+                engine.reset()
+                st.detail = f"connected to {', '.join(r.endpoints)}"
             return engine
         cpu_compat.activate()
 
@@ -99,7 +104,9 @@ class Run:
         servers = []
         try:
             for i in range(r.n_servers):
-                servers.append(launch(i))
+                with stage("server" if r.n_servers == 1 else f"server {i}") as st:
+                    servers.append(launch(i))
+                    st.detail = f"SGLang at {servers[-1].endpoint} (log: {self.out / f'server{i}.log'})"
         except BaseException:
             for s in servers:
                 s.stop()
@@ -207,9 +214,21 @@ class Run:
             self.engine.close(shutdown=not self.cfg.rollout.endpoints)
 
 
-def train(cfg: RunConfig, out: str | Path, resume: str | Path | None = None, progress: bool = True) -> dict:
+def train(
+    cfg: RunConfig,
+    out: str | Path,
+    resume: str | Path | None = None,
+    progress: bool = True,
+    overwrite: bool = False,
+    bar: bool | None = None,
+) -> dict:
     """Run `cfg.trainer.steps` steps into `out`; returns the summary."""
-    out = Path(out)
+    # the run folder and the files the run reads are checked before anything starts or is written: a
+    # RunFolderError / ConfigError names what is wrong. `progress`: a bar on a terminal (or as `bar` says),
+    # else one line per step.
+    cfg.check_paths()
+    out = rundir.claim(out, resume=resume, overwrite=overwrite)
+    quiet_cpu_warnings()
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1) + "\n")
     run = Run(cfg, out)
@@ -224,7 +243,7 @@ def train(cfg: RunConfig, out: str | Path, resume: str | Path | None = None, pro
             source=resume,
             config=cfg.to_dict(),
         )
-        bar = _progress(cfg.trainer.steps, run.loop.step, progress)
+        shown = Progress(cfg.trainer.steps, run.loop.step, bar=bar) if progress else None
         while run.loop.step < cfg.trainer.steps:
             metrics = run.loop.run_step().metrics
             if cfg.eval.every and (run.loop.step % cfg.eval.every == 0 or run.loop.step == cfg.trainer.steps):
@@ -232,52 +251,67 @@ def train(cfg: RunConfig, out: str | Path, resume: str | Path | None = None, pro
             writer.write(metrics)
             if cfg.log.checkpoint_every and run.loop.step % cfg.log.checkpoint_every == 0:
                 run.save()
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(_postfix(metrics))
-        if bar is not None:
-            bar.close()
+            if shown is not None:
+                shown.update(metrics)
+        if shown is not None:
+            shown.close()
         summary = writer.close(extra={"wall_s": time.perf_counter() - t_start, "ledger": asdict(run.loop.ledger)})
     finally:
         run.close()
     return summary
 
 
-def _progress(total: int, start: int, enabled: bool):
-    if not enabled:
-        return None
-    from tqdm import tqdm
+DESCRIPTION = """\
+Train a policy with GRPO-style RL: SGLang generates rollouts, Megatron-Core trains. With algo.mode partial or
+rollverify, responses still unfinished when a step's batch is full are carried over to the next step; rollverify
+checks them against the new policy and resumes only their verified prefix.
 
-    return tqdm(total=total, initial=start, desc="rollverify", unit="step", dynamic_ncols=True)
+The run folder (--out) gets config.json, metrics.jsonl (one line per step), summary.json, plots/, tensorboard/,
+server logs and, every log.checkpoint_every steps, checkpoint/ (what --resume continues from). A folder that
+already holds a run is refused unless you pass --resume (continue it) or --overwrite (replace it)."""
 
-
-def _postfix(m: dict[str, Any]) -> dict[str, str]:
-    keys = ("mode", "reward_mean", "eval_reward", "ops_mean", "acceptance_rate", "step_s")
-    out = {}
-    for k in keys:
-        v = m.get(k)
-        if isinstance(v, float):
-            if math.isnan(v):
-                continue
-            out[k] = f"{v:.3g}"
-        elif v is not None:
-            out[k] = str(v)
-    return out
+EPILOG = """\
+examples:
+  rollverify train --config tiny_cpu --out runs/rv
+  rollverify train --config tiny_cpu --out runs/partial algo.mode=partial trainer.steps=40 seed=1
+  rollverify train --config my.yaml --out runs/x model.path=/models/Qwen3-8B task.name=math \\
+      task.options.train_path=data/dapo.parquet
+  rollverify train --config tiny_cpu --resume runs/rv trainer.steps=80   # continue runs/rv up to step 80"""
 
 
 def cli_main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="rollverify train", description=__doc__)
-    p.add_argument("--config", required=True, help="YAML config (configs/tiny_cpu.yaml is the CPU default)")
-    p.add_argument("--out", required=True, help="run directory: metrics.jsonl, summary.json, plots, checkpoint")
-    p.add_argument("--resume", default=None, help="run directory to continue from (its checkpoint/)")
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. algo.mode=partial seed=1")
+    p = argparse.ArgumentParser(
+        prog="rollverify train",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--config",
+        required=True,
+        help="YAML config file, or the name of a shipped one: tiny_cpu (the CPU default), qwen3_8b_base, "
+        "qwen3_30b_a3b_base",
+    )
+    p.add_argument("--out", default=None, help="run folder to write: new or empty (default with --resume: that run)")
+    p.add_argument("--resume", default=None, metavar="RUN", help="continue the run in folder RUN from its checkpoint")
+    p.add_argument("--overwrite", action="store_true", help="replace the run that --out holds")
+    p.add_argument(
+        "--no-progress", action="store_true", help="no per-step output (default: a bar on a terminal, else a line a step)"
+    )
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. algo.mode=partial seed=1")
     a = p.parse_args(argv)
-    try:
+    if a.out is None and a.resume is None:
+        p.error("--out is required (or --resume RUN to continue that run in its folder)")
+    out = a.out if a.out is not None else a.resume
+    try:  # what the user gave is checked before any server or trainer starts and before anything is written
         cfg = load_config(a.config, a.overrides)
+        cfg.check_paths()
+        if not a.overwrite:  # with --overwrite, train() checks the folder and then clears it
+            rundir.claim(out, resume=a.resume)
+        summary = train(cfg, out, a.resume, progress=not a.no_progress, overwrite=a.overwrite)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    summary = train(cfg, a.out, a.resume, progress=not a.no_progress)
     print(json.dumps({k: v for k, v in summary.items() if not isinstance(v, dict | list)}, indent=1))
+    say(f"run folder: {out}")
     return 0

@@ -221,9 +221,14 @@ def recipe_fingerprint(task_name: str) -> str:
 
 def warm_start(model, tokenizer, spec) -> Any:
     """Hook of `make_tiny_model`: warm-start `model` on `spec.task` with that task's recipe and `spec.seed`."""
+    from rollverify.console import say, stage
+
     task = get_task(spec.task)
     recipe = RECIPES.get(spec.task, WarmStartRecipe())
-    supervised_warm_start(model, tokenizer, task, recipe, seed=spec.seed)
+    say(f"warm start: training the tiny model on {spec.task} ({recipe.steps} steps; once, then it is cached) ...")
+    with stage("warm start") as st:
+        res = supervised_warm_start(model, tokenizer, task, recipe, seed=spec.seed)
+        st.detail = f"{spec.task}, {res.steps} steps, final loss {res.final_loss:.3f}"
     return model
 
 

@@ -1,0 +1,259 @@
+"""The command line as a user meets it: help, version, unknown commands, and bad input (a run folder that holds a
+run, a missing model or data file, a mistyped option) refused with a message that names it, before any server or
+trainer starts and without touching a file. Console output: stage lines, step lines, `-` for missing figures."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from rollverify import __version__, rundir
+from rollverify.cli import COMMANDS, main
+from rollverify.config import ConfigError, find_config, load_config, shipped_configs
+from rollverify.console import Progress, fmt, stage, step_line
+
+# ------------------------------------------------------------------------------------------------ help, version
+
+
+def test_top_level_help_lists_every_command_with_its_line(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for name, cmd in COMMANDS.items():
+        assert re.search(rf"^  {re.escape(name)} +{re.escape(cmd.help)}$", out, re.M), name
+    assert "--version" in out and "tiny_cpu" in out
+    assert main([]) == 2  # no command: the same help, on stderr, and a failure status
+    assert "commands:" in capsys.readouterr().err
+
+
+def test_version(capsys):
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"rollverify {__version__}"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["trian"], r"unknown command 'trian' \(did you mean 'train'\?\); commands: demo, train"),
+        (["frobnicate"], r"unknown command 'frobnicate'; commands:"),
+        (["--verbose"], r"unknown option '--verbose'"),
+    ],
+)
+def test_unknown_command_is_named(capsys, argv, message):
+    assert main(argv) == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(
+    ("command", "says"),
+    [
+        ("make-tiny-model", ["rollverify make-tiny-model", "tiny Qwen3", "--task", "--out"]),
+        ("train", ["rollverify train", "run folder", "--resume", "--overwrite", "tiny_cpu", "examples:"]),
+        ("demo", ["rollverify demo", "on-policy GRPO", "--overwrite", "runs/demo"]),
+    ],
+)
+def test_command_help_is_its_own_and_for_users(capsys, command, says):
+    with pytest.raises(SystemExit) as info:
+        main([command, "--help"])
+    assert info.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for text in says:
+        assert text in out, text
+    for internal in ("Loop.run_step", "sglang_ext", "megatron_bridge", "DESIGN.md", "`rollverify` command line"):
+        assert internal not in out
+
+
+# ------------------------------------------------------------------------------------------------ run folders
+
+
+def _snapshot(root: Path) -> dict[str, tuple[bytes, int]]:
+    return {
+        str(p.relative_to(root)): (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(root.rglob("*")) if p.is_file()
+    }
+
+
+def _finished_run(path: Path, steps: int = 3, checkpoint: int | None = 2) -> Path:
+    path.mkdir(parents=True)
+    (path / "config.json").write_text("{}\n")
+    (path / "metrics.jsonl").write_text("".join(json.dumps({"step": i + 1}) + "\n" for i in range(steps)))
+    (path / "summary.json").write_text("{}\n")
+    (path / "tensorboard").mkdir()
+    (path / "tensorboard" / "events.out.tfevents.1").write_bytes(b"x")
+    (path / "server0.log").write_text("log\n")
+    if checkpoint is not None:
+        (path / "checkpoint").mkdir()
+        (path / "checkpoint" / "loop.json").write_text(json.dumps({"step": checkpoint}))
+    return path
+
+
+def _train(*args: str) -> int:
+    return main(["train", "--config", "tiny_cpu", *args, "trainer.steps=1"])
+
+
+def test_train_refuses_an_out_that_holds_a_run(tmp_path, capsys):
+    run = _finished_run(tmp_path / "run")
+    before = _snapshot(run)
+    assert _train("--out", str(run)) == 2
+    err = capsys.readouterr().err
+    assert f"--out {run} already holds a run of 3 logged steps (checkpoint at step 2)" in err
+    assert f"pass --resume {run} to continue it, --overwrite to replace it" in err
+    assert _snapshot(run) == before
+
+
+def test_overwrite_never_removes_files_no_run_wrote(tmp_path, capsys):
+    run = _finished_run(tmp_path / "run")
+    (run / "notes.txt").write_text("mine\n")
+    before = _snapshot(run)
+    assert _train("--out", str(run), "--overwrite") == 2
+    assert "also files no run wrote (notes.txt)" in capsys.readouterr().err
+    assert _snapshot(run) == before
+    # a folder with no run in it is refused with or without --overwrite
+    other = tmp_path / "home"
+    other.mkdir()
+    (other / "thesis.tex").write_text("x")
+    for extra in ([], ["--overwrite"]):
+        assert _train("--out", str(other), *extra) == 2
+        assert "is not empty and holds no run (thesis.tex)" in capsys.readouterr().err
+    assert (other / "thesis.tex").read_text() == "x"
+
+
+def test_claim_overwrite_removes_exactly_the_runs_outputs(tmp_path):
+    run = _finished_run(tmp_path / "run")
+    (run / "metrics.jsonl.tmp").write_text("")
+    assert rundir.claim(run, overwrite=True) == run
+    assert run.is_dir() and not any(run.iterdir())
+    assert rundir.claim(tmp_path / "new") == tmp_path / "new"  # new and empty folders are fine as they are
+    assert not (tmp_path / "new").exists()
+    with pytest.raises(rundir.RunFolderError, match="exclude each other"):
+        rundir.claim(run, resume=run, overwrite=True)
+    file = tmp_path / "file"
+    file.write_text("x")
+    with pytest.raises(rundir.RunFolderError, match="is a file, not a folder"):
+        rundir.claim(file)
+
+
+def test_resume_needs_a_checkpoint_and_a_free_out(tmp_path, capsys):
+    no_ckpt = _finished_run(tmp_path / "a", checkpoint=None)
+    before = _snapshot(no_ckpt)
+    assert _train("--resume", str(no_ckpt)) == 2
+    assert f"--resume {no_ckpt}: no checkpoint/loop.json there (a run of 3 logged steps)" in capsys.readouterr().err
+    assert _train("--resume", str(tmp_path / "missing"), "--out", str(tmp_path / "x")) == 2
+    assert "(does not exist)" in capsys.readouterr().err and not (tmp_path / "x").exists()
+    src, dst = _finished_run(tmp_path / "src"), _finished_run(tmp_path / "dst", steps=5)
+    dst_before = _snapshot(dst)
+    assert _train("--resume", str(src), "--out", str(dst)) == 2  # into another run: refused
+    assert f"--out {dst} already holds a run of 5 logged steps" in capsys.readouterr().err
+    assert _snapshot(no_ckpt) == before and _snapshot(dst) == dst_before
+    assert rundir.claim(src, resume=src) == src  # in place: allowed (records after the checkpoint are redone)
+
+
+def test_demo_out_rules(tmp_path, capsys):
+    from rollverify.demo import cli_main as demo
+
+    earlier = tmp_path / "demo"
+    _finished_run(earlier / "on_policy")
+    (earlier / "demo.json").write_text("{}")
+    before = _snapshot(earlier)
+    assert demo(["--out", str(earlier)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {earlier} already holds an earlier demo (on_policy); pass --overwrite to replace it" in err
+    assert _snapshot(earlier) == before
+    assert rundir.next_free(earlier) == tmp_path / "demo-2"  # the default --out never replaces a demo
+    (tmp_path / "demo-2").mkdir()
+    assert rundir.next_free(earlier) == tmp_path / "demo-2"  # an empty folder is free
+    assert rundir.claim(earlier, overwrite=True, demo=True) == earlier and not any(earlier.iterdir())
+
+
+# ------------------------------------------------------------------------------------------- paths and options
+
+
+def test_missing_model_or_data_stops_before_anything_is_written(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert _train("--out", str(out), f"model.path={tmp_path / 'nowhere'}") == 2
+    err = capsys.readouterr().err
+    assert f"model.path: {tmp_path / 'nowhere'} does not exist; point model.path at a local Hugging Face" in err
+    assert not out.exists()
+    empty = tmp_path / "model"
+    empty.mkdir()
+    (empty / "config.json").write_text("{}")
+    assert _train("--out", str(out), f"model.path={empty}") == 2
+    assert f"model.path: {empty} has no *.safetensors" in capsys.readouterr().err and not out.exists()
+    from rollverify.demo import cli_main as demo
+
+    assert demo(["--out", str(out), f"model.path={tmp_path / 'nowhere'}"]) == 2
+    assert "model.path" in capsys.readouterr().err and not out.exists()
+    cfg = load_config(None, ["task.name=math", "task.options.train_path=/no/data.parquet"], check_task=False)
+    with pytest.raises(ConfigError, match=r"task\.options\.train_path: data file /no/data\.parquet does not exist"):
+        cfg.check_paths()
+
+
+def test_mistyped_task_option_gets_a_suggestion(tmp_path, capsys):
+    assert _train("--out", str(tmp_path / "o"), "task.options.k_mx=20") == 2
+    err = capsys.readouterr().err
+    assert "task 'countdown' has no option 'k_mx' (did you mean 'k_max'?); its options:" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_shipped_configs_are_found_from_any_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert set(shipped_configs()) >= {"tiny_cpu", "qwen3_8b_base", "qwen3_30b_a3b_base"}
+    assert find_config("tiny_cpu") == find_config("tiny_cpu.yaml")
+    assert load_config("tiny_cpu").task.name == "countdown"
+    (tmp_path / "tiny_cpu.yaml").write_text("seed: 7\n")  # a file that exists wins over the shipped name
+    assert load_config("tiny_cpu.yaml").seed == 7
+    with pytest.raises(FileNotFoundError, match=r"config file nope does not exist; .*shipped config: .*tiny_cpu"):
+        load_config("nope")
+
+
+def test_cache_folder(monkeypatch, tmp_path):
+    from rollverify.tiny_model import cache_root
+
+    monkeypatch.setenv("ROLLVERIFY_CACHE", str(tmp_path / "c"))
+    assert cache_root() == tmp_path / "c"
+    monkeypatch.delenv("ROLLVERIFY_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_root() == tmp_path / "xdg" / "rollverify"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_root() == tmp_path / "home" / ".cache" / "rollverify"
+
+
+# ---------------------------------------------------------------------------------------------------- console
+
+
+def test_figures_and_step_lines_show_a_dash_where_nothing_applies():
+    assert [fmt(None), fmt(math.nan), fmt(0.41234), fmt(3), fmt("rollverify")] == ["-", "-", "0.412", "3", "rollverify"]
+    m = {"step": 3, "mode": "on_policy", "reward_mean": 0.5, "eval_reward": None, "ops_mean": math.nan,
+         "acceptance_rate": None, "n_carried": 0, "step_s": 4.25}
+    assert step_line(m, 40) == "step 3/40 mode=on_policy reward=0.5 eval=- ops=- accept=- carried=0 step_s=4.25"
+    buf = io.StringIO()  # not a terminal: one plain line per step, no bar
+    progress = Progress(40, bar=None, file=buf)
+    progress.update(m)
+    progress.update({**m, "step": 4})
+    progress.close()
+    assert buf.getvalue().splitlines() == [
+        "[rollverify] " + step_line(m, 40),
+        "[rollverify] " + step_line({**m, "step": 4}, 40),
+    ]
+
+
+def test_stage_line_names_the_stage_and_its_time():
+    buf = io.StringIO()
+    with stage("server", file=buf) as st:
+        st.detail = "SGLang at tcp://127.0.0.1:5555"
+    assert re.fullmatch(r"\[rollverify\] server: SGLang at tcp://127\.0\.0\.1:5555 \(\d+\.\d s\)\n", buf.getvalue())
+
+
+def test_demo_table_prints_a_dash_for_nan():
+    from rollverify.demo import COLUMNS, table
+
+    row = {key: 0.25 for _, key in COLUMNS}
+    text = table({"on_policy": {**row, "ops_mean": math.nan, "acceptance_rate": math.nan}, "rollverify": row})
+    assert "nan" not in text
+    on_policy = text.splitlines()[2].split()
+    assert on_policy[0] == "on_policy" and on_policy.count("-") == 2 and on_policy.count("0.250") == len(COLUMNS) - 2
+
