@@ -2,13 +2,16 @@
 
 Megatron-Core runs with `calculate_per_token_loss`: each micro-batch returns an unnormalised loss and its
 normaliser count, and Megatron divides the gradients by the count summed over micro-batches and data-parallel
-ranks. So the losses are called with a normaliser of 1 (a sum) and the count is returned beside them:
+ranks. So the losses are called with a normaliser of 1 (a sum) and the count of the aggregation mode is
+returned beside them (`rollverify.losses.aggregate`):
 
-* ppo / sapo: sum over valid tokens, count = valid tokens (the design's token-mean over the mini-batch);
-* gspo: sum over sequences of their token-means, count = sequences (GSPO's sequence-mean).
+* token-mean: sum over valid tokens, count = valid tokens (the design's token-mean over the mini-batch);
+* seq-mean-token-mean / seq-mean-token-sum: sum over sequences of their token-means / token-sums,
+  count = sequences.
 
-Statistics come back as sums weighted by the micro-batch's valid tokens (`*_sum`) or as maxima (`*_max`), so
-the trainer can reduce them over micro-batches and ranks exactly.
+A sequence never spans two micro-batches, so the per-sequence terms are whole. Statistics come back as sums
+weighted by the micro-batch's valid tokens (`*_sum`) or as maxima (`*_max`), so the trainer can reduce them
+over micro-batches and ranks exactly.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from rollverify import losses
+
+KINDS = ("ppo", "gspo", "sapo", "vespo")
 
 
 @dataclass
@@ -34,32 +39,43 @@ def _padded(x: torch.Tensor, counts: list[int]) -> torch.Tensor:
     return rows
 
 
+def agg_mode(cfg) -> str:
+    """The aggregation of `cfg` (a `megatron_bridge.trainer.LossConfig`): its own, else the loss's default."""
+    if cfg.kind not in KINDS:
+        raise ValueError(f"unknown loss kind {cfg.kind!r}: one of {', '.join(KINDS)}")
+    mode = cfg.agg_mode or losses.DEFAULT_AGG[cfg.kind]
+    if mode not in losses.AGG_MODES:
+        raise ValueError(f"loss agg_mode must be one of {losses.AGG_MODES} (or None: the loss's own), got {mode!r}")
+    return mode
+
+
 def terms(lp: torch.Tensor, old_lp: torch.Tensor, rollout_lp: torch.Tensor | None, adv: torch.Tensor,
           mask: torch.Tensor, counts: list[int], cfg) -> LossTerms:
     """lp, old_lp, rollout_lp, adv, mask: flat [N] over the micro-batch's generated tokens, `counts` per
     sequence. An empty micro-batch (a filler that keeps ranks in step) gives a zero loss that still touches
     `lp`, so the backward reaches every parameter."""
+    mode = agg_mode(cfg)
     n_tok = mask.sum()
     if not counts or n_tok == 0:
         return LossTerms(lp.sum() * 0.0, torch.zeros((), dtype=torch.int), {})
     rollout = rollout_lp if cfg.use_tis else None
+    if cfg.kind in ("gspo", "vespo") or mode != "token-mean":  # sequence-level: padded [sequences, tokens]
+        lp, old_lp, adv, mask = (_padded(x, counts) for x in (lp, old_lp, adv, mask))
+        rollout = _padded(rollout, counts) if rollout is not None else None
+    common = dict(rollout_logprobs=rollout, tis_cap=cfg.tis_cap, agg_mode=mode, global_count=1)
     if cfg.kind == "ppo":
-        total, m = losses.ppo_tis_loss(lp, old_lp, rollout, adv, mask, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
-                                       dual_clip_c=cfg.dual_clip_c, tis_cap=cfg.tis_cap, num_valid_tokens=1)
-        count = n_tok
+        total, m = losses.ppo_tis_loss(lp, old_lp, advantages=adv, mask=mask, eps_low=cfg.eps_low,
+                                       eps_high=cfg.eps_high, dual_clip_c=cfg.dual_clip_c, **common)
     elif cfg.kind == "sapo":
         total, m = losses.sapo_loss(lp, old_lp, adv, mask, tau_pos=cfg.sapo_tau_pos, tau_neg=cfg.sapo_tau_neg,
-                                    rollout_logprobs=rollout, tis_cap=cfg.tis_cap, num_valid_tokens=1)
-        count = n_tok
+                                    **common)
     elif cfg.kind == "gspo":
-        pad = [_padded(x, counts) for x in (lp, old_lp, adv, mask)]
-        total, m = losses.gspo_loss(pad[0], pad[1], pad[2], pad[3], eps_low=cfg.gspo_eps_low,
-                                    eps_high=cfg.gspo_eps_high,
-                                    rollout_logprobs=_padded(rollout, counts) if rollout is not None else None,
-                                    tis_cap=cfg.tis_cap, num_valid_seqs=1)
-        count = (pad[3].sum(-1) > 0).sum()
+        total, m = losses.gspo_loss(lp, old_lp, adv, mask, eps_low=cfg.gspo_eps_low, eps_high=cfg.gspo_eps_high,
+                                    **common)
     else:
-        raise ValueError(f"unknown loss kind {cfg.kind!r}: ppo, gspo or sapo")
+        total, m = losses.vespo_loss(lp, old_lp, adv, mask, c1_pos=cfg.vespo_c1_pos, c2_pos=cfg.vespo_c2_pos,
+                                     c1_neg=cfg.vespo_c1_neg, c2_neg=cfg.vespo_c2_neg, **common)
+    count = n_tok if mode == "token-mean" else (mask.sum(-1) > 0).sum()
     stats = {}
     for k, v in m.items():
         if k == "pg_loss":

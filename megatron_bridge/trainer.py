@@ -41,9 +41,9 @@ from megatron_bridge.parallel import ParallelConfig, init_parallel, use_cpu
 @dataclass
 class LossConfig:
     """Policy loss (rollverify.losses): `ppo` is the design's GRPO objective (decoupled clip, dual clip, TIS on
-    the recomputed old log-prob, token-mean); `gspo` and `sapo` are the alternatives the paper compares."""
+    the recomputed old log-prob, token-mean); `gspo`, `sapo` and `vespo` are the alternatives the paper compares."""
 
-    kind: str = "ppo"  # ppo | gspo | sapo
+    kind: str = "ppo"  # ppo | gspo | sapo | vespo
     eps_low: float = 0.2
     eps_high: float = 0.3
     dual_clip_c: float = 3.0  # math.inf: off
@@ -53,6 +53,11 @@ class LossConfig:
     gspo_eps_high: float = 4e-4
     sapo_tau_pos: float = 1.0
     sapo_tau_neg: float = 1.05
+    vespo_c1_pos: float = 2.0  # VESPO's kernel W^c1 exp(c2 (1 - W)) for A >= 0
+    vespo_c2_pos: float = 3.0
+    vespo_c1_neg: float = 3.0  # and for A < 0
+    vespo_c2_neg: float = 2.0
+    agg_mode: str | None = None  # token-mean | seq-mean-token-mean | seq-mean-token-sum; None: the loss's (VeRL's)
 
 
 @dataclass

@@ -79,10 +79,17 @@ def _demo(argv: list[str]) -> int:
     return cli_main(argv)
 
 
+def _plan(argv: list[str]) -> int:
+    from rollverify.plan import cli_main
+
+    return cli_main(argv)
+
+
 COMMANDS: dict[str, Command] = {
     "demo": Command(_demo, "on-policy GRPO vs RollVerify side by side on the tiny CPU model (what `make demo` runs)"),
     "train": Command(_train, "run RL training from a config into a run folder (new, --resume or --overwrite)"),
     "serve": Command(_serve, "start one SGLang rollout server with RollVerify's control channel"),
+    "plan": Command(_plan, "dry run: where each trainer rank and server goes and its memory per GPU; no GPU needed"),
     "make-tiny-model": Command(_make_tiny_model, "write a tiny Qwen3 / Qwen3-MoE model folder, made offline"),
 }
 

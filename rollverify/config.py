@@ -53,6 +53,9 @@ class ModelConfig:
     tiny_seed: int = _f(0, ge=0)
     task: str | None = "auto"  # warm-start task; auto: task.name when it is synthetic; null: no warm start
     tiny_overrides: dict[str, Any] = _f(factory=dict)  # other TinyModelSpec fields, e.g. {hidden_size: 128}
+    # `rollverify plan` where model.path/config.json is not on this machine: a preset (rollverify.plan.ARCH_PRESETS:
+    # qwen3-8b, qwen3-30b-a3b) or the fields of the checkpoint's config.json
+    arch: str | dict[str, Any] | None = None
 
     def tiny_spec(self) -> dict[str, Any]:
         """Keyword arguments of `TinyModelSpec` (after `RunConfig.from_dict` / `load_config` resolved `task`)."""
@@ -133,6 +136,22 @@ class TrainerConfig:
 
 
 @dataclass
+class ClusterConfig:
+    """Where the trainer ranks and servers run; `rollverify plan` places them, the launchers start them there."""
+
+    launcher: Literal["local", "ray"] = "local"  # local: processes on this machine; ray: Ray actors on a cluster
+    nodes: int = _f(1, ge=1)
+    gpus_per_node: int = _f(0, ge=0)  # 0: CPU only
+    placement: Literal["colocated", "disaggregated"] = "colocated"  # colocated: rollout and training take turns
+    rollout_gpus: int = _f(0, ge=0)  # disaggregated: the last GPUs go to the servers, the rest to the trainer
+    gpu_memory_gib: float = _f(80.0, gt=0.0)  # per GPU, as `plan` budgets it
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass
 class EvalConfig:
     """Held-out reward, sampled with the current policy."""
 
@@ -162,6 +181,7 @@ SECTIONS: dict[str, type] = {
     "trainer": TrainerConfig,
     "eval": EvalConfig,
     "log": LogConfig,
+    "cluster": ClusterConfig,
 }
 TOP_LEVEL = ("seed",)
 
@@ -177,6 +197,7 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     seed: int = 0
 
     def to_dict(self) -> dict[str, Any]:
@@ -279,9 +300,39 @@ class RunConfig:
             raise ConfigError("trainer.ep: expert parallelism needs an MoE model (model.moe: true)")
         if t.min_lr > t.lr:
             raise ConfigError(f"trainer.min_lr: must be <= trainer.lr ({t.lr}), got {t.min_lr}")
+        self._check_cluster()
         if self.log.wandb and importlib.util.find_spec("wandb") is None:
             raise ConfigError(
                 "log.wandb: true needs the wandb package, which is not installed; set log.wandb=false"
+            )
+
+    def _check_cluster(self) -> None:
+        """Cluster keys that contradict each other (what fits on the cluster is `rollverify plan`'s check)."""
+        from rollverify.plan import ARCH_PRESETS
+
+        c, m = self.cluster, self.model
+        if m.arch is not None:
+            if m.path is None:
+                raise ConfigError("model.arch: the tiny model's architecture comes from its spec; set model.path too")
+            if isinstance(m.arch, str) and m.arch not in ARCH_PRESETS:
+                raise ConfigError(
+                    f"model.arch: unknown preset {m.arch!r}{_suggest(m.arch, list(ARCH_PRESETS))}; presets: "
+                    f"{', '.join(ARCH_PRESETS)}, or a mapping of the model's config.json fields"
+                )
+        if c.launcher == "local" and c.nodes > 1:
+            raise ConfigError(
+                f"cluster.nodes: the local launcher runs on this machine only, got {c.nodes} nodes; "
+                "set cluster.launcher=ray"
+            )
+        if c.placement == "colocated" and c.rollout_gpus:
+            raise ConfigError(
+                f"cluster.rollout_gpus: colocated servers share every GPU with the trainer, got {c.rollout_gpus}; "
+                "set it to 0 or cluster.placement=disaggregated"
+            )
+        if c.placement == "disaggregated" and not 0 < c.rollout_gpus < c.gpus:
+            raise ConfigError(
+                f"cluster.rollout_gpus: disaggregated needs GPUs for both sides, 0 < rollout_gpus < "
+                f"nodes*gpus_per_node = {c.gpus}, got {c.rollout_gpus}"
             )
 
 

@@ -8,10 +8,13 @@ The main objective (the paper's setup; VeRL's conventions where it is silent):
     w   = min(exp(lp_old - lp_rollout), C), detached                  truncated importance sampling
     L   = sum(w l over valid tokens) / num_valid_tokens               token-mean
 
-``num_valid_tokens`` is the valid-token count of the whole mini-batch (every micro-batch, every data-parallel
-rank), so that summing the micro-batch gradients gives the mini-batch mean; it is never the sum of weights.
-GSPO and SAPO are the loss-level alternatives. All math runs in float32 (float64 stays float64), so bf16
-inputs are safe; masked positions may hold any value, even NaN.
+GSPO, SAPO and VESPO are the loss-level alternatives; every loss takes the same per-token TIS weight ``w`` on
+each token's loss. Aggregation follows VeRL's ``agg_loss`` (``aggregate``): token-mean, seq-mean-token-mean or
+seq-mean-token-sum, each loss defaulting to VeRL's choice for it (``DEFAULT_AGG``). The normaliser
+(``global_count``) is the count of the whole mini-batch (every micro-batch, every data-parallel rank: valid
+tokens, or sequences with a valid token), so that summing the micro-batch gradients gives the mini-batch mean;
+it is never the sum of weights. All math runs in float32 (float64 stays float64), so bf16 inputs are safe;
+masked positions may hold any value, even NaN.
 """
 
 from __future__ import annotations
@@ -20,6 +23,11 @@ import math
 
 import torch
 from torch import Tensor
+
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+# VeRL's aggregation per loss: token-mean for the PPO surrogate (actor.loss_agg_mode's default) and for VESPO
+# (its authors' recipe runs on that default); GSPO and SAPO aggregate seq-mean-token-mean.
+DEFAULT_AGG = {"ppo": "token-mean", "gspo": "seq-mean-token-mean", "sapo": "seq-mean-token-mean", "vespo": "token-mean"}
 
 
 def grpo_advantages(rewards: Tensor, use_std: bool = True, eps: float = 1e-6) -> Tensor:
@@ -61,6 +69,29 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     return torch.logsumexp(z, -1) - (p * torch.where(p > 0, z, 0.0)).sum(-1)
 
 
+def aggregate(loss: Tensor, valid: Tensor, mode: str, global_count: int | None = None) -> Tensor:
+    """VeRL's ``agg_loss`` of per-token losses (masked positions ignored):
+
+        token-mean            sum_i sum_t l_i,t / N_tokens
+        seq-mean-token-mean   sum_i (sum_t l_i,t / |y_i|) / N_seqs
+        seq-mean-token-sum    sum_i sum_t l_i,t / N_seqs
+
+    N_tokens (valid tokens) or N_seqs (sequences with a valid token) is ``global_count`` when given, else this
+    call's own. The sequence modes need padded [batch, tokens] tensors.
+    """
+    if mode not in AGG_MODES:
+        raise ValueError(f"loss_agg_mode must be one of {AGG_MODES}, got {mode!r}")
+    terms = torch.where(valid, loss, 0.0)
+    if mode == "token-mean":
+        return terms.sum() / _count(global_count, valid)
+    if loss.dim() != 2:
+        raise ValueError(f"loss_agg_mode {mode} needs padded [batch, tokens] tensors, got shape {tuple(loss.shape)}")
+    per_seq = terms.sum(-1)
+    if mode == "seq-mean-token-mean":
+        per_seq = per_seq / valid.sum(-1).clamp(min=1)
+    return per_seq.sum() / _count(global_count, valid.any(-1))
+
+
 def ppo_tis_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -71,9 +102,10 @@ def ppo_tis_loss(
     eps_high: float = 0.3,
     dual_clip_c: float = 3.0,
     tis_cap: float = 2.0,
-    num_valid_tokens: int | None = None,
+    agg_mode: str | None = None,
+    global_count: int | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Token-level PPO surrogate with decoupled and dual clipping, TIS-weighted, token-mean (module doc).
+    """Token-level PPO surrogate with decoupled and dual clipping, TIS-weighted (module doc); token-mean.
 
     Tensors share one shape (e.g. packed [N] or padded [B, T]); ``rollout_logprobs=None`` skips TIS.
     Returns (loss, detached metrics).
@@ -89,7 +121,7 @@ def ppo_tis_loss(
     if dual_clip_c < math.inf:
         loss = torch.where(adv < 0, torch.minimum(loss, -adv * dual_clip_c), loss)
     w, metrics = _tis(old, rollout_logprobs, valid, tis_cap)
-    total = torch.where(valid, w * loss, 0.0).sum() / _count(num_valid_tokens, valid)
+    total = aggregate(w * loss, valid, agg_mode or DEFAULT_AGG["ppo"], global_count)
     with torch.no_grad():
         metrics |= {
             "pg_loss": total.detach(),
@@ -111,17 +143,17 @@ def gspo_loss(
     eps_high: float = 4e-4,
     rollout_logprobs: Tensor | None = None,
     tis_cap: float = 2.0,
-    num_valid_seqs: int | None = None,
+    agg_mode: str | None = None,
+    global_count: int | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO (Zheng et al. 2025) in its GSPO-token form, on padded [B, T] tensors:
 
         s_i    = exp(mean_t (lp - lp_old))                      sequence ratio, length-normalised
         s_i,t  = sg[s_i] exp(lp_t - sg[lp_t])                   value s_i, gradient of s_i per token
-        l_i,t  = max(-A s_i,t, -A clip(s_i,t, 1 - eps_low, 1 + eps_high))
-        L      = sum_i mean_t (w_i l_i,t) / num_valid_seqs      (sequence-mean of token-means)
+        l_i,t  = w_i,t max(-A s_i,t, -A clip(s_i,t, 1 - eps_low, 1 + eps_high))
+        L      = sum_i mean_t l_i,t / N_seqs                    seq-mean-token-mean (VeRL's default)
 
-    TIS, when given rollout log-probs, is sequence-level too: w_i = min(exp(mean_t(lp_old - lp_rollout)), C),
-    so that the GSPO-token gradient stays the gradient of the sequence objective.
+    w_i,t is the per-token TIS weight of the module doc, as VeRL and the design apply it.
     """
     if logprobs.dim() != 2:
         raise ValueError(f"gspo_loss needs padded [batch, tokens] tensors, got shape {tuple(logprobs.shape)}")
@@ -132,9 +164,8 @@ def gspo_loss(
     log_s = (lp - lp.detach() + seq_log_ratio.detach().unsqueeze(-1)).clamp(max=10.0)
     s = torch.exp(log_s)
     loss = torch.maximum(-adv * s, -adv * s.clamp(1 - eps_low, 1 + eps_high))
-    w, metrics = _tis(old, rollout_logprobs, valid, tis_cap, per_sequence=True)
-    per_seq = torch.where(valid, w * loss, 0.0).sum(-1) / seq_len.clamp(min=1)
-    total = per_seq.sum() / _count(num_valid_seqs, seq_len > 0)
+    w, metrics = _tis(old, rollout_logprobs, valid, tis_cap)
+    total = aggregate(w * loss, valid, agg_mode or DEFAULT_AGG["gspo"], global_count)
     with torch.no_grad():
         clipped = ((adv > 0) & (s > 1 + eps_high)) | ((adv < 0) & (s < 1 - eps_low))
         metrics |= {
@@ -154,26 +185,94 @@ def sapo_loss(
     tau_neg: float = 1.05,
     rollout_logprobs: Tensor | None = None,
     tis_cap: float = 2.0,
-    num_valid_tokens: int | None = None,
+    agg_mode: str | None = None,
+    global_count: int | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """SAPO (Gao et al. 2025): a soft, temperature-controlled gate instead of the hard clip.
 
         r = exp(lp - lp_old);  tau = tau_pos if A > 0 else tau_neg
         f(r) = 4/tau sigmoid(tau (r - 1))         f'(1) = 1: the plain policy gradient on-policy
-        L = -sum(w f(r) A over valid tokens) / num_valid_tokens
+        l_i,t = -w_i,t f(r_i,t) A_i
+        L = sum_i mean_t l_i,t / N_seqs           seq-mean-token-mean (VeRL's default)
+
+    Its default aggregation needs padded [B, T] tensors; token-mean also takes packed [N] ones.
     """
     lp, old, adv, valid = _prepare(logprobs, old_logprobs, advantages, mask)
     ratio = torch.exp((lp - old).clamp(-20.0, 20.0))
-    tau = torch.where(adv > 0, tau_pos, tau_neg).to(lp.dtype)
+    tau = torch.where(adv > 0, adv.new_tensor(tau_pos), adv.new_tensor(tau_neg))  # the compute dtype
     gate = 4.0 / tau * torch.sigmoid(tau * (ratio - 1))
     w, metrics = _tis(old, rollout_logprobs, valid, tis_cap)
-    total = torch.where(valid, -w * gate * adv, 0.0).sum() / _count(num_valid_tokens, valid)
+    total = aggregate(-w * gate * adv, valid, agg_mode or DEFAULT_AGG["sapo"], global_count)
     with torch.no_grad():
         p = torch.sigmoid(tau * (ratio - 1))
         metrics |= {
             "pg_loss": total.detach(),
             "ratio_mean": masked_mean(ratio, valid),
             "gate_grad_weight_mean": masked_mean(4 * p * (1 - p), valid),  # 1 on-policy, -> 0 far off
+        }
+    return total, metrics
+
+
+def vespo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    c1_pos: float = 2.0,
+    c2_pos: float = 3.0,
+    c1_neg: float = 3.0,
+    c2_neg: float = 2.0,
+    rollout_logprobs: Tensor | None = None,
+    tis_cap: float = 2.0,
+    agg_mode: str | None = None,
+    global_count: int | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """VESPO (Shen et al. 2026, arXiv 2602.10693): a smooth kernel on the sequence-level importance weight.
+
+    The paper's estimator is REINFORCE-shaped, g = E_mu[phi(W) A grad log pi(y|x)], with
+
+        W       = pi(y|x) / mu(y|x) = exp(sum_t (lp_t - lp_old,t))   sequence weight, NOT length-normalised
+        phi(W)  = W^c1 exp(c2 (1 - W))                               its reshaping kernel: phi(1) = 1, a gamma
+                                                                     shape peaking at W = c1/c2, -> 0 as W -> inf
+        (c1, c2) = (c1_pos, c2_pos) where A >= 0, (c1_neg, c2_neg) where A < 0   (asymmetric)
+
+    phi(W) only scales the gradient (stop-gradient), so per token
+
+        l_i,t = -w_i,t sg[phi(W_i)] A_i exp(lp_t - sg[lp_t])        value -w phi A, gradient -w phi A grad lp_t
+        L     = sum_i,t l_i,t / N_tokens                            token-mean (the authors' verl recipe)
+
+    w_i,t is the per-token TIS weight of the module doc. On-policy (W = 1) this is the plain policy gradient.
+    phi is computed in log space (c1 log W + c2 (1 - W)), so a huge W gives phi = 0, never inf or NaN. Defaults:
+    the (c1, c2) of the authors' recipe run scripts. The kernel is the paper's closed form (abstract, Sec. 3-4,
+    phi(W) = W^{c1} e^{c2(1-W)}); its equation numbers were not available to check against here.
+    """
+    if logprobs.dim() != 2:
+        raise ValueError(f"vespo_loss needs padded [batch, tokens] tensors, got shape {tuple(logprobs.shape)}")
+    for name, c in (("c1_pos", c1_pos), ("c1_neg", c1_neg)):
+        if not c >= 0:
+            raise ValueError(f"vespo {name} must be >= 0, got {c!r}")
+    for name, c in (("c2_pos", c2_pos), ("c2_neg", c2_neg)):
+        if not 0 < c < math.inf:
+            raise ValueError(f"vespo {name} must be > 0 and finite, got {c!r}")
+    lp, old, adv, valid = _prepare(logprobs, old_logprobs, advantages, mask)
+    with torch.no_grad():
+        log_w = torch.where(valid, (lp - old).clamp(-20.0, 20.0), 0.0).sum(-1)  # log W_i
+        seq_adv = torch.where(valid, adv, 0.0).sum(-1) / valid.sum(-1).clamp(min=1)
+        pos = seq_adv >= 0
+        c1 = torch.where(pos, adv.new_tensor(c1_pos), adv.new_tensor(c1_neg))
+        c2 = torch.where(pos, adv.new_tensor(c2_pos), adv.new_tensor(c2_neg))
+        seq_w = torch.exp(log_w)  # may be inf: then c2 (1 - W) = -inf and phi = 0
+        phi = torch.exp(c1 * log_w + c2 * (1 - seq_w))
+    loss = -phi.unsqueeze(-1) * adv * torch.exp(lp - lp.detach())
+    w, metrics = _tis(old, rollout_logprobs, valid, tis_cap)
+    total = aggregate(w * loss, valid, agg_mode or DEFAULT_AGG["vespo"], global_count)
+    with torch.no_grad():
+        has = valid.any(-1)
+        metrics |= {
+            "pg_loss": total.detach(),
+            "seq_log_ratio_mean": masked_mean(log_w, has),
+            "phi_mean": masked_mean(phi, has),
+            "phi_max": phi[has].max() if has.any() else torch.zeros(()),
         }
     return total, metrics
 
@@ -210,13 +309,8 @@ def _prepare(lp: Tensor, old: Tensor, adv: Tensor, mask: Tensor) -> tuple[Tensor
     )
 
 
-def _tis(
-    old: Tensor, rollout: Tensor | None, valid: Tensor, cap: float, per_sequence: bool = False
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """TIS weights w = min(exp(lp_old - lp_rollout), C), detached, and their statistics.
-
-    ``per_sequence``: one weight per row from the mean log gap (GSPO's sequence-level ratio).
-    """
+def _tis(old: Tensor, rollout: Tensor | None, valid: Tensor, cap: float) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per-token TIS weights w = min(exp(lp_old - lp_rollout), C), detached, and their statistics."""
     if rollout is None:
         return torch.ones_like(old), {}
     if rollout.shape != old.shape:
@@ -225,9 +319,6 @@ def _tis(
         raise ValueError(f"tis_cap must be > 0 (inf: no truncation), got {cap!r}")
     with torch.no_grad():
         log_w = torch.where(valid, old - rollout.to(old.dtype), 0.0)
-        if per_sequence:
-            m = valid.to(old.dtype)
-            log_w = ((log_w * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)).expand_as(old)
         w = torch.exp(log_w.clamp(max=math.log(cap) if cap < math.inf else 20.0))
         w = torch.where(valid, w, 0.0)
         metrics = {

@@ -149,6 +149,11 @@ class Run:
                 gspo_eps_high=t.gspo_eps_high,
                 sapo_tau_pos=t.sapo_tau_pos,
                 sapo_tau_neg=t.sapo_tau_neg,
+                vespo_c1_pos=t.vespo_c1_pos,
+                vespo_c2_pos=t.vespo_c2_pos,
+                vespo_c1_neg=t.vespo_c1_neg,
+                vespo_c2_neg=t.vespo_c2_neg,
+                agg_mode=t.loss_agg_mode,
             ),
         )
         return LoopTrainer(make_trainer(self.model_path, tcfg, world_size=t.world_size))

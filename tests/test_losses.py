@@ -8,6 +8,9 @@ import pytest
 import torch
 
 from rollverify.losses import (
+    AGG_MODES,
+    DEFAULT_AGG,
+    aggregate,
     entropy_from_logits,
     expand_to_tokens,
     grpo_advantages,
@@ -15,6 +18,7 @@ from rollverify.losses import (
     masked_mean,
     ppo_tis_loss,
     sapo_loss,
+    vespo_loss,
 )
 
 F64 = torch.float64
@@ -79,7 +83,7 @@ def test_ppo_tis_hand_values():
 
 def test_ppo_global_token_count_and_switches():
     lp, old, rollout, adv, mask = ppo_case()
-    loss, _ = ppo_tis_loss(lp, old, rollout, adv, mask, num_valid_tokens=10)
+    loss, _ = ppo_tis_loss(lp, old, rollout, adv, mask, global_count=10)
     assert loss.item() == pytest.approx((-2.0 - 2.6 + 0.8 + 1.5) / 10)
     no_dual, _ = ppo_tis_loss(lp, old, rollout, adv, mask, dual_clip_c=math.inf)
     assert no_dual.item() == pytest.approx((-2.0 - 2.6 + 0.8 + 0.5 * 4.0) / 4)
@@ -88,7 +92,7 @@ def test_ppo_global_token_count_and_switches():
     with pytest.raises(ValueError, match="dual_clip_c must be > 1"):
         ppo_tis_loss(lp, old, rollout, adv, mask, dual_clip_c=1.0)
     with pytest.raises(ValueError, match="global valid count must be >= 1"):
-        ppo_tis_loss(lp, old, rollout, adv, mask, num_valid_tokens=0)
+        ppo_tis_loss(lp, old, rollout, adv, mask, global_count=0)
     with pytest.raises(ValueError, match="mask must be shaped like logprobs"):
         ppo_tis_loss(lp, old, rollout, adv, mask[:3])
     with pytest.raises(ValueError, match="rollout_logprobs must be shaped like logprobs"):
@@ -106,7 +110,7 @@ def test_micro_batches_with_the_global_count_sum_to_the_full_batch():
     (full_grad,) = torch.autograd.grad(full, lp)
     n = int(mask.sum())
     parts = [ppo_tis_loss(lp[i : i + 1], old[i : i + 1], rollout[i : i + 1], adv[i : i + 1], mask[i : i + 1],
-                          num_valid_tokens=n)[0] for i in range(2)]
+                          global_count=n)[0] for i in range(2)]
     (part_grad,) = torch.autograd.grad(sum(parts), lp)
     torch.testing.assert_close(sum(parts), full)
     torch.testing.assert_close(part_grad, full_grad)
@@ -141,7 +145,8 @@ def test_finite_difference_gradients(seed):
     tok_adv = adv[:, None].expand_as(lp)
     checks = {
         "ppo": lambda x: ppo_tis_loss(x, old, rollout, tok_adv, mask, dual_clip_c=1.5)[0],
-        "gspo": lambda x: gspo_loss(x, old, adv, mask, eps_low=0.05, eps_high=0.05, rollout_logprobs=rollout)[0],
+        # GSPO without TIS: a per-token weight makes its token gradients differ from the value's on purpose
+        "gspo": lambda x: gspo_loss(x, old, adv, mask, eps_low=0.05, eps_high=0.05)[0],
         "sapo": lambda x: sapo_loss(x, old, tok_adv, mask, rollout_logprobs=rollout)[0],
     }
     for name, f in checks.items():
@@ -158,7 +163,7 @@ def test_stable_for_low_precision_inputs(dtype):
     assert loss.item() == pytest.approx(ref.item(), abs=0.05 if dtype == torch.bfloat16 else 1e-5)
     loss.backward()
     assert low.grad.dtype == dtype and torch.isfinite(low.grad.float()).all()
-    for f in (gspo_loss, sapo_loss):
+    for f in (gspo_loss, sapo_loss, vespo_loss):
         out, _ = f(low, old.to(dtype), adv.to(dtype), mask)
         assert out.dtype == torch.float32 and torch.isfinite(out)
 
@@ -197,7 +202,7 @@ def test_gspo_hand_values():
 def test_gspo_sequence_mean_over_the_global_sequence_count():
     old = t([[-1.0, -1.0], [-1.0, 0.0]])
     mask = torch.tensor([[True, True], [True, False]])
-    loss, _ = gspo_loss(old.clone(), old, t([1.0, 3.0]), mask, num_valid_seqs=4)
+    loss, _ = gspo_loss(old.clone(), old, t([1.0, 3.0]), mask, global_count=4)
     assert loss.item() == pytest.approx((-1.0 - 3.0) / 4)
     with pytest.raises(ValueError, match=r"gspo_loss needs padded \[batch, tokens\]"):
         gspo_loss(old[0], old[0], t([1.0, 1.0]), mask[0])
@@ -207,7 +212,8 @@ def test_sapo_hand_values():
     old = t([-1.0, -1.0, -1.0])
     lp = old.clone().requires_grad_()  # r = 1: f(1) = 4/tau * sigmoid(0) = 2/tau
     adv = t([1.0, -1.0, 0.5])
-    loss, m = sapo_loss(lp, old, adv, torch.tensor([True, True, False]), tau_pos=1.0, tau_neg=2.0)
+    loss, m = sapo_loss(lp, old, adv, torch.tensor([True, True, False]), tau_pos=1.0, tau_neg=2.0,
+                        agg_mode="token-mean")
     assert loss.item() == pytest.approx((-1.0 * 2 / 1.0 + 1.0 * 2 / 2.0) / 2)
     loss.backward()
     # On-policy the gate's slope is 1: the plain policy-gradient -A r / count.
@@ -218,12 +224,126 @@ def test_sapo_hand_values():
 def test_sapo_gate_attenuates_far_off_policy_tokens():
     old = t([-1.0, -1.0])
     lp = (old + t([0.0, math.log(5.0)])).requires_grad_()
-    loss, _ = sapo_loss(lp, old, t([1.0, 1.0]), torch.tensor([True, True]))
+    loss, _ = sapo_loss(lp, old, t([1.0, 1.0]), torch.tensor([True, True]), agg_mode="token-mean")
     loss.backward()
     near, far = lp.grad.abs().tolist()
     # far: -A * 4 p (1 - p) * r / 2 with p = sigmoid(4): much smaller than the on-policy -A / 2
     p = 1 / (1 + math.exp(-4.0))
     assert far == pytest.approx(4 * p * (1 - p) * 5.0 / 2) and far < near
+
+
+# --- aggregation (VeRL's agg_loss) --------------------------------------------------------------------------
+
+
+def test_aggregation_modes_hand_values():
+    loss = t([[1.0, 2.0, 3.0], [4.0, 100.0, math.nan], [math.nan, math.nan, math.nan]])
+    valid = torch.tensor([[True, True, True], [True, False, False], [False, False, False]])
+    # token-mean: (1 + 2 + 3 + 4) / 4 tokens; seq modes: the empty third row is no sequence
+    assert aggregate(loss, valid, "token-mean").item() == pytest.approx(10 / 4)
+    assert aggregate(loss, valid, "seq-mean-token-mean").item() == pytest.approx((6 / 3 + 4 / 1) / 2)
+    assert aggregate(loss, valid, "seq-mean-token-sum").item() == pytest.approx((6 + 4) / 2)
+    # the mini-batch's count (other micro-batches, other ranks) replaces this call's own
+    assert aggregate(loss, valid, "token-mean", global_count=8).item() == pytest.approx(10 / 8)
+    assert aggregate(loss, valid, "seq-mean-token-mean", global_count=5).item() == pytest.approx(6 / 5)
+    with pytest.raises(ValueError, match="loss_agg_mode must be one of"):
+        aggregate(loss, valid, "seq-mean")
+    with pytest.raises(ValueError, match=r"seq-mean-token-sum needs padded \[batch, tokens\]"):
+        aggregate(loss[0], valid[0], "seq-mean-token-sum")
+
+
+def test_each_loss_defaults_to_verls_aggregation():
+    assert set(DEFAULT_AGG.values()) <= set(AGG_MODES)
+    assert DEFAULT_AGG == {"ppo": "token-mean", "gspo": "seq-mean-token-mean", "sapo": "seq-mean-token-mean",
+                           "vespo": "token-mean"}
+    # Two sequences of 1 and 3 tokens, on-policy (r = 1), A = +1 and -1.
+    old = t([[-1.0, 0.0, 0.0], [-1.0, -1.0, -1.0]])
+    mask = torch.tensor([[True, False, False], [True, True, True]])
+    adv = t([1.0, -1.0])
+    # SAPO per token: -f(1) A = -2/tau A -> -2 (A = +1, tau_pos 1) and +2/1.05 (A = -1, tau_neg 1.05)
+    pos, neg = -2.0, 2.0 / 1.05
+    sapo = {mode: sapo_loss(old.clone(), old, adv, mask, agg_mode=mode)[0].item() for mode in AGG_MODES}
+    assert sapo_loss(old.clone(), old, adv, mask)[0].item() == sapo["seq-mean-token-mean"]
+    assert sapo["seq-mean-token-mean"] == pytest.approx((pos + neg) / 2)
+    assert sapo["token-mean"] == pytest.approx((pos + 3 * neg) / 4)
+    assert sapo["seq-mean-token-sum"] == pytest.approx((pos + 3 * neg) / 2)
+    # GSPO: -A s with s = 1 -> -1 and +1 per token
+    assert gspo_loss(old.clone(), old, adv, mask)[0].item() == pytest.approx((-1 + 1) / 2)
+    assert gspo_loss(old.clone(), old, adv, mask, agg_mode="token-mean")[0].item() == pytest.approx((-1 + 3) / 4)
+    # PPO and VESPO: token-mean of -A r (VESPO: phi(1) = 1)
+    assert ppo_tis_loss(old.clone(), old, None, adv, mask)[0].item() == pytest.approx((-1 + 3) / 4)
+    assert vespo_loss(old.clone(), old, adv, mask)[0].item() == pytest.approx((-1 + 3) / 4)
+    assert ppo_tis_loss(old.clone(), old, None, adv, mask, agg_mode="seq-mean-token-mean")[0].item() == 0.0
+
+
+def test_seq_mean_micro_batches_with_the_global_count_sum_to_the_full_batch():
+    lp, old, rollout, adv, mask = random_inputs(3, shape=(4, 6))
+    for f in (sapo_loss, gspo_loss):
+        full = f(lp, old, adv, mask, rollout_logprobs=rollout)[0]
+        (full_grad,) = torch.autograd.grad(full, lp)
+        parts = sum(f(lp[i : i + 2], old[i : i + 2], adv[i : i + 2], mask[i : i + 2], rollout_logprobs=rollout[i : i + 2],
+                      global_count=4)[0] for i in (0, 2))
+        (part_grad,) = torch.autograd.grad(parts, lp)
+        torch.testing.assert_close(parts, full)
+        torch.testing.assert_close(part_grad, full_grad)
+
+
+def test_gspo_applies_the_tis_weight_per_token():
+    old = t([[-1.0, -1.0, 0.0]])
+    mask = torch.tensor([[True, True, False]])
+    rollout = old - t([[math.log(3.0), math.log(0.5), 0.0]])  # w = [min(3, 2), 0.5]
+    lp = old.clone().requires_grad_()  # s = 1, unclipped
+    loss, m = gspo_loss(lp, old, t([1.0]), mask, rollout_logprobs=rollout, tis_cap=2.0)
+    # per token: -A s w_t -> mean_t (-2, -0.5); a sequence-level weight would give -min(exp(mean(log 3, log .5)), 2)
+    assert loss.item() == pytest.approx((-2.0 - 0.5) / 2)
+    assert m["tis_weight_mean"].item() == pytest.approx(1.25) and m["tis_frac_capped"].item() == 0.5
+    loss.backward()
+    # s_i,t has the gradient of s_i (1/|y| per token), scaled by the token's own weight: -A w_t / |y|
+    assert lp.grad[0].tolist() == pytest.approx([-2.0 / 2, -0.5 / 2, 0.0])
+
+
+def test_sapo_tau_keeps_float64():
+    old = t([-1.0, -1.0])
+    loss, _ = sapo_loss(old.clone(), old, t([-1.0, -1.0]), torch.tensor([True, True]), tau_neg=1.05,
+                        agg_mode="token-mean")
+    assert loss.dtype == F64
+    assert abs(loss.item() - 2.0 / 1.05) < 1e-15  # a float32 tau (1.0499999523) is off by ~9e-8
+
+
+# --- VESPO ------------------------------------------------------------------------------------------------
+
+
+def test_vespo_kernel_hand_values():
+    # sequence 0: A = +1, W = exp(log 2 + 0) = 2; sequence 1: A = -1, W = exp(2 * 0.5 log 2) = 2 (not length-normalised)
+    old = t([[-1.0, -2.0, 0.0], [-1.0, -1.0, -3.0]])
+    gaps = t([[math.log(2.0), 0.0, 0.0], [0.5 * math.log(2.0), 0.5 * math.log(2.0), math.nan]])
+    lp = (old + gaps).requires_grad_()
+    mask = torch.tensor([[True, True, False], [True, True, False]])
+    adv = t([1.0, -1.0])
+    loss, m = vespo_loss(lp, old, adv, mask, c1_pos=2.0, c2_pos=3.0, c1_neg=3.0, c2_neg=2.0)
+    phi_pos = 2.0**2 * math.exp(3.0 * (1 - 2.0))  # W^c1 exp(c2 (1 - W))
+    phi_neg = 2.0**3 * math.exp(2.0 * (1 - 2.0))
+    assert loss.item() == pytest.approx((2 * -phi_pos + 2 * phi_neg) / 4)  # token-mean of -phi A
+    assert m["phi_mean"].item() == pytest.approx((phi_pos + phi_neg) / 2)
+    assert m["seq_log_ratio_mean"].item() == pytest.approx(math.log(2.0))
+    loss.backward()
+    # phi only scales the gradient: dL/dlp_t = -phi A / N_tokens
+    assert lp.grad.flatten().tolist() == pytest.approx([-phi_pos / 4] * 2 + [0.0] + [phi_neg / 4] * 2 + [0.0])
+
+
+def test_vespo_is_the_policy_gradient_on_policy_and_vanishes_far_off():
+    old = t([[-1.0, -1.0], [-1.0, -1.0]])
+    lp = (old + t([[0.0, 0.0], [30.0, 30.0]])).requires_grad_()  # W = 1 and W = e^60
+    rollout = old - t([[math.log(1.5), 0.0], [0.0, 0.0]])  # TIS w = [1.5, 1] on the first sequence
+    loss, m = vespo_loss(lp, old, t([2.0, 2.0]), torch.ones(2, 2, dtype=torch.bool), rollout_logprobs=rollout)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(lp.grad).all()
+    assert lp.grad[0].tolist() == pytest.approx([-2.0 * 1.5 / 4, -2.0 / 4])  # phi(1) = 1: -w A / N
+    assert lp.grad[1].tolist() == [0.0, 0.0]  # phi(e^60) underflows to 0
+    assert m["phi_max"].item() == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="vespo c2_neg must be > 0"):
+        vespo_loss(lp, old, t([1.0, 1.0]), torch.ones(2, 2, dtype=torch.bool), c2_neg=0.0)
+    with pytest.raises(ValueError, match=r"vespo_loss needs padded \[batch, tokens\]"):
+        vespo_loss(lp[0], old[0], t([1.0, 1.0]), torch.ones(2, dtype=torch.bool))
 
 
 # --- entropy ----------------------------------------------------------------------------------------------
@@ -236,3 +356,38 @@ def test_entropy_from_logits():
     torch.testing.assert_close(masked, torch.tensor([math.log(2)]))
     peaked = entropy_from_logits(torch.tensor([[1000.0, 0.0]], dtype=torch.bfloat16))
     assert peaked.dtype == torch.float32 and peaked.item() == pytest.approx(0.0, abs=1e-6)
+
+
+# --- the trainer's micro-batch terms (megatron_bridge.policy_loss) ---------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["ppo", "gspo", "sapo", "vespo"])
+@pytest.mark.parametrize("mode", [None, *AGG_MODES])
+def test_trainer_terms_over_micro_batches_equal_the_whole_batch(kind, mode):
+    """What Megatron computes (sum of each micro-batch's loss_sum / sum of their counts) is the loss of the
+    whole batch at once, for every loss and aggregation mode; None is the loss's default."""
+    from megatron_bridge.policy_loss import _padded, terms
+    from megatron_bridge.trainer import LossConfig
+    from rollverify import losses
+
+    cfg = LossConfig(kind=kind, agg_mode=mode)
+    g = torch.Generator().manual_seed(1)
+    counts = [3, 5, 2, 4]
+    n = sum(counts)
+    old = -torch.rand(n, generator=g, dtype=F64) * 2
+    lp = (old + 0.1 * torch.randn(n, generator=g, dtype=F64)).requires_grad_()
+    rollout = old + 0.3 * torch.randn(n, generator=g, dtype=F64)
+    adv = torch.repeat_interleave(t([1.0, -0.5, 2.0, -1.0]), torch.tensor(counts))
+    mask = torch.ones(n, dtype=torch.bool)
+    parts = [terms(lp[a:b], old[a:b], rollout[a:b], adv[a:b], mask[a:b], c, cfg)
+             for (a, b), c in (((0, 8), [3, 5]), ((8, n), [2, 4]))]
+    got = sum(p.loss_sum for p in parts) / sum(int(p.count) for p in parts)
+    pad = [_padded(x, counts) for x in (lp, old, rollout, adv, mask)]
+    fn = {"ppo": lambda *a, **k: losses.ppo_tis_loss(a[0], a[1], k.pop("rollout_logprobs"), *a[2:], **k),
+          "gspo": losses.gspo_loss, "sapo": losses.sapo_loss, "vespo": losses.vespo_loss}[kind]
+    ref, _ = fn(pad[0], pad[1], pad[3], pad[4], rollout_logprobs=pad[2], agg_mode=mode or DEFAULT_AGG[kind])
+    torch.testing.assert_close(got, ref)
+    (g_got,) = torch.autograd.grad(got, lp)
+    (g_ref,) = torch.autograd.grad(ref, lp)
+    torch.testing.assert_close(g_got, g_ref)
+    assert int(parts[0].count) == (8 if (mode or DEFAULT_AGG[kind]) == "token-mean" else 2)
