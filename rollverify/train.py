@@ -227,7 +227,11 @@ def train(
     overwrite: bool = False,
     bar: bool | None = None,
 ) -> dict:
-    """Run `cfg.trainer.steps` steps into `out`; returns the summary."""
+    """Run `cfg.trainer.steps` steps into `out`; returns the summary. A config that does not fit its cluster
+    (`rollverify.plan.check`) raises PlanError before anything is written or started."""
+    from rollverify.plan import check as check_plan
+
+    check_plan(cfg)
     # the run folder and the files the run reads are checked before anything starts or is written: a
     # RunFolderError / ConfigError names what is wrong. `progress`: a bar on a terminal (or as `bar` says),
     # else one line per step.
@@ -311,6 +315,9 @@ def cli_main(argv: list[str] | None = None) -> int:
     try:  # what the user gave is checked before any server or trainer starts and before anything is written
         cfg = load_config(a.config, a.overrides)
         cfg.check_paths()
+        from rollverify.plan import check as check_plan
+
+        check_plan(cfg)  # what `rollverify plan` refuses stops here (train() checks again for API callers)
         if not a.overwrite:  # with --overwrite, train() checks the folder and then clears it
             rundir.claim(out, resume=a.resume)
         summary = train(cfg, out, a.resume, progress=not a.no_progress, overwrite=a.overwrite)

@@ -1,0 +1,527 @@
+"""`rollverify plan`: where every trainer rank and server goes, and what each GPU holds, before anything starts.
+
+``rollverify plan --config configs/qwen3_8b_base.yaml [key=value ...]`` needs no GPU, no weights and no data: the
+architecture comes from `model.path`/config.json when that file exists here, else from `model.arch` (a preset
+name below, or the fields of a Hugging Face config.json). `rollverify train` runs the same `check` first.
+
+Placement (`cluster`): GPUs are numbered node by node (global GPU g is GPU g % gpus_per_node of node
+g // gpus_per_node). Trainer rank r takes global GPU r (Megatron-Core's rank order puts TP innermost, so a TP
+group stays inside a node). Server i takes `gpus_per_server` consecutive GPUs (SGLang's `base_gpu_id` is the
+first), from GPU 0 when colocated and after the trainer's GPUs when disaggregated; a server never spans nodes.
+On a CPU cluster (`gpus_per_node: 0`) ranks and servers are spread over the nodes in contiguous blocks.
+
+Memory per GPU, in bytes (formulas documented in docs/cluster.md, "What plan counts"):
+
+* trainer, per rank of the fullest pipeline stage: bf16 weights (2 B/param), fp32 gradients (4 B/param: the
+  trainer reduces gradients in fp32), fp32 main params + Adam moments (12 B/param) sharded by the distributed
+  optimizer over data parallel (dense: dp*cp ranks; experts: world / (pp*ep*etp)); activations of one
+  micro-batch of max(micro_batch_tokens, context) tokens (`layer_activation_bytes` per token per layer, all
+  layers held: 1F1B keeps pp micro-batches of L/pp layers on the first stage; full recompute keeps each layer's
+  input plus one layer's working set); the final hidden states and one log-prob chunk of logits.
+* server: weights / tp_size; KV cache for min(ceil(max_live / n_servers), max_running_requests) responses at
+  full context, 2 * layers * max(1, kv_heads / tp) * head_dim * kv_bytes per token per GPU; the KV pool SGLang
+  can have is mem_fraction_static * GPU memory - weights (or `max_total_tokens` when set).
+* colocated: rollout and training take turns (each side releases its memory for the other's phase), so each
+  phase's peak plus the other side's idle process must fit; disaggregated: each side on its own GPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rollverify.config import ConfigError, RunConfig, load_config
+
+if TYPE_CHECKING:
+    from megatron_bridge.model import ModelArch
+
+GiB = 1 << 30
+
+# Architectures stated as the fields of their Hugging Face config.json (checked against the published files and
+# slime's Megatron argument scripts), so `plan` can size the paper's models without their checkpoints.
+ARCH_PRESETS: dict[str, dict[str, Any]] = {
+    "qwen3-8b": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "vocab_size": 151936,
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+    },
+    "qwen3-30b-a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+    },
+}
+
+# Per GPU and process, outside what the formulas count: CUDA context, cuBLAS/NCCL workspaces (an assumption,
+# not a measurement; no GPU path of this project has run).
+PROCESS_OVERHEAD = int(1.5 * GiB)
+# SGLang picks mem_fraction_static itself when the config does not; plan assumes this value then.
+DEFAULT_MEM_FRACTION = 0.85
+# The trainer refuses MoE with tp > 1 (megatron_bridge.trainer.MegatronTrainer: Megatron-Core needs sequence
+# parallelism for MoE under TP, which the local spec's RMSNorm refuses); plan refuses it before anything starts.
+MOE_TENSOR_PARALLEL = False
+
+
+class PlanError(ConfigError):
+    """A config that cannot run on its cluster; the message names the numbers and what to change."""
+
+
+def model_arch(cfg: RunConfig) -> ModelArch:
+    """The architecture without weights: config.json at model.path if present here, else model.arch."""
+    from megatron_bridge.model import ModelArch, UnsupportedCheckpoint
+
+    m = cfg.model
+    try:
+        if m.path is None:
+            from rollverify.tiny_model import TinyModelSpec, hf_config
+
+            spec = TinyModelSpec(**m.tiny_spec())
+            arch_name = "Qwen3MoeForCausalLM" if spec.moe else "Qwen3ForCausalLM"
+            return ModelArch.from_hf_config({**hf_config(spec).to_dict(), "architectures": [arch_name]})
+        stated = None
+        if m.arch is not None:
+            stated = ModelArch.from_hf_config(ARCH_PRESETS[m.arch] if isinstance(m.arch, str) else m.arch)
+        if (Path(m.path) / "config.json").is_file():
+            found = ModelArch.from_hf_dir(m.path)
+            if stated is not None and _dims(stated) != _dims(found):
+                raise PlanError(
+                    f"model.arch {_dims(stated)} differs from {m.path}/config.json {_dims(found)}: "
+                    "drop model.arch or fix it"
+                )
+            return found
+        if stated is None:
+            raise PlanError(
+                f"model.path {m.path} has no config.json on this machine: set model.arch to "
+                f"{' or '.join(ARCH_PRESETS)} or to the fields of the model's config.json"
+            )
+        return stated
+    except (UnsupportedCheckpoint, KeyError, TypeError) as e:
+        if isinstance(e, PlanError):
+            raise
+        raise PlanError(f"model.arch: not a usable architecture ({type(e).__name__}: {e})") from None
+
+
+def _dims(a: ModelArch) -> tuple:
+    return (a.hidden_size, a.num_layers, a.num_heads, a.num_kv_heads, a.head_dim, a.intermediate_size,
+            a.vocab_size, a.num_experts, a.top_k, a.moe_intermediate_size, a.tie_word_embeddings)
+
+
+@dataclass(frozen=True)
+class TrainerLayout:
+    """The trainer's parallel sizes and memory options, as `trainer` configures them."""
+
+    tp: int
+    pp: int
+    dp: int
+    ep: int = 1
+    etp: int = 1
+    cp: int = 1
+    sequence_parallel: bool = False
+    recompute: str = "none"  # none | selective | full
+    micro_batch_tokens: int = 4096
+    logprob_chunk_tokens: int = 1024
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.cp * self.dp
+
+    @staticmethod
+    def of(cfg: RunConfig) -> TrainerLayout:
+        t = cfg.trainer
+        # etp, cp, sequence parallel and recompute are not trainer options yet: the trainer runs them at 1/off.
+        return TrainerLayout(tp=t.tp, pp=t.pp, dp=t.dp, ep=t.ep, micro_batch_tokens=t.micro_batch_tokens)
+
+
+def layout_problems(a: ModelArch, lay: TrainerLayout) -> list[str]:
+    """What the trainer refuses for this model (megatron_bridge.model.transformer_config, parallel.py, trainer)."""
+    out = []
+    if a.num_heads % lay.tp or a.num_kv_heads % lay.tp:
+        out.append(f"trainer.tp = {lay.tp} does not divide the {a.num_heads} attention / {a.num_kv_heads} KV heads")
+    if a.vocab_size % lay.tp:
+        out.append(f"trainer.tp = {lay.tp} does not divide vocab_size {a.vocab_size}")
+    if a.num_layers % lay.pp:
+        out.append(f"trainer.pp = {lay.pp} does not divide the {a.num_layers} layers")
+    if a.moe:
+        if a.num_experts % lay.ep:
+            out.append(f"trainer.ep = {lay.ep} does not divide the {a.num_experts} experts")
+        if lay.tp > 1 and not MOE_TENSOR_PARALLEL:
+            out.append(f"trainer.tp = {lay.tp}: the trainer refuses MoE with tp > 1; set trainer.tp=1 and split "
+                       f"the experts with trainer.ep (e.g. ep={math.gcd(a.num_experts, 8)}), dp = GPUs / pp")
+    elif lay.ep > 1:
+        out.append(f"trainer.ep = {lay.ep}: expert parallelism needs an MoE model")
+    if (lay.tp * lay.dp * lay.cp) % (lay.ep * lay.etp):
+        out.append(f"trainer.ep*etp = {lay.ep * lay.etp} does not divide tp*dp*cp = {lay.tp * lay.dp * lay.cp}")
+    return out
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameters on one rank of one pipeline stage: dense (optimizer sharded over dp*cp) and expert."""
+
+    dense: int
+    expert: int
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.expert
+
+
+def total_params(a: ModelArch) -> int:
+    """Parameters of the whole model (what a server loads)."""
+    one = stage_params(a, TrainerLayout(tp=1, pp=1, dp=1), stage=0)
+    return one.total
+
+
+def stage_params(a: ModelArch, lay: TrainerLayout, stage: int) -> ParamCounts:
+    h, q, k = a.hidden_size, a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    attn = (2 * h * q + 2 * h * k + (q + 2 * k if a.attention_bias else 0)) // lay.tp
+    norms = 2 * h + 2 * a.head_dim  # input/post-attention RMSNorm, q/k norms (replicated)
+    if a.moe:
+        dense_layer = attn + norms + h * a.num_experts  # the router is replicated
+        expert_layer = 3 * h * a.moe_intermediate_size * a.num_experts // (lay.ep * lay.etp)
+    else:
+        dense_layer, expert_layer = attn + norms + 3 * h * a.intermediate_size // lay.tp, 0
+    layers = a.num_layers // lay.pp
+    dense = layers * dense_layer
+    embed = a.vocab_size * h // lay.tp
+    if stage == 0:
+        dense += embed
+    if stage == lay.pp - 1:
+        dense += h + (0 if (a.tie_word_embeddings and lay.pp == 1) else embed)
+    return ParamCounts(dense, layers * expert_layer)
+
+
+def layer_activation_bytes(a: ModelArch, lay: TrainerLayout) -> int:
+    """Bytes one transformer layer keeps for the backward, per token of this rank's sequence shard.
+
+    Korthikanti et al. (2022)'s accounting (Megatron's 34*s*b*h per layer for GPT), redone for the Qwen3 layer in
+    bf16 with attention that keeps no S x S scores: RMSNorm inputs and the QKV / MLP inputs (4h, TP-replicated
+    unless sequence parallel), q/k-norm inputs and rotated Q, K, V, the attention output (3q + 3k, split by TP)
+    and the attention's fp32 log-sum-exp (2 * heads), then SwiGLU: gate+up output and product (3I, split by TP);
+    MoE: each of the top-k copies keeps its input (h, gathered over etp) and 3 * moe_intermediate / etp, plus the
+    fp32 router logits and probabilities (2E * 2).
+    """
+    h, q, k = a.hidden_size, a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    rep = 2 * 4 * h // (lay.tp if lay.sequence_parallel else 1)
+    attn = (2 * (3 * q + 3 * k) + 4 * a.num_heads) // lay.tp
+    if a.moe:
+        mlp = a.top_k * (2 * h * lay.etp + 6 * a.moe_intermediate_size // lay.etp) + 8 * a.num_experts
+        mlp //= lay.tp if lay.sequence_parallel else 1
+    else:
+        mlp = 6 * a.intermediate_size // lay.tp
+    return rep + attn + mlp
+
+
+@dataclass(frozen=True)
+class TrainerMemory:
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int
+    logits: int
+    tokens: int  # tokens of the largest micro-batch (per CP rank)
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.logits
+
+
+def trainer_memory(a: ModelArch, lay: TrainerLayout, context: int) -> TrainerMemory:
+    """Per-GPU bytes of the fullest pipeline stage (see the module docstring)."""
+    stages = [stage_params(a, lay, s) for s in range(lay.pp)]
+    p = max(stages, key=lambda c: c.total)
+    expert_dp = lay.world_size // (lay.pp * lay.ep * lay.etp)
+    tokens = math.ceil(max(lay.micro_batch_tokens, context) / lay.cp)
+    per_layer = layer_activation_bytes(a, lay)
+    layer_input = 2 * a.hidden_size // (lay.tp if lay.sequence_parallel else 1)
+    if lay.recompute == "full":
+        acts = tokens * (a.num_layers * layer_input + per_layer)
+    else:
+        acts = tokens * a.num_layers * per_layer
+    # final hidden states (bf16, TP-replicated) + one chunk of logits: bf16 product, fp32 copy, exp, gradient
+    logits = tokens * 2 * a.hidden_size + min(tokens, lay.logprob_chunk_tokens) * (a.vocab_size // lay.tp) * 14
+    return TrainerMemory(
+        weights=2 * p.total,
+        gradients=4 * p.total,
+        optimizer=12 * p.dense // (lay.dp * lay.cp) + 12 * p.expert // expert_dp,
+        activations=acts,
+        logits=logits,
+        tokens=tokens,
+    )
+
+
+@dataclass(frozen=True)
+class ServerMemory:
+    weights: int
+    kv_bytes_per_token: int
+    kv_needed_tokens: int  # live responses per server x context
+    kv_pool_tokens: int  # what the server's KV pool holds
+    live_per_server: int
+
+    @property
+    def kv_needed(self) -> int:
+        return self.kv_needed_tokens * self.kv_bytes_per_token
+
+
+@dataclass(frozen=True)
+class Server:
+    index: int
+    node: int
+    gpus: list[int]  # local GPU ids on its node ([] on CPU); base_gpu_id = gpus[0]
+
+
+@dataclass
+class Plan:
+    """Where everything goes and what each GPU holds; `problems` lists what does not fit (empty: it runs)."""
+
+    cfg: RunConfig
+    arch: ModelArch
+    layout: TrainerLayout
+    context: int
+    gpus_per_server: int
+    ranks: list[tuple[int, int | None]]  # rank -> (node, local GPU or None on CPU)
+    servers: list[Server]
+    trainer: TrainerMemory
+    server: ServerMemory
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # observations that do not stop the run
+
+    def check(self) -> Plan:
+        if self.problems:
+            raise PlanError("the config does not fit its cluster:\n  " + "\n  ".join(self.problems))
+        return self
+
+    def table(self) -> str:
+        return render(self)
+
+
+def make_plan(cfg: RunConfig) -> Plan:
+    """The placement and memory of `cfg`; a layout the trainer refuses raises PlanError at once."""
+    a = model_arch(cfg)
+    lay = TrainerLayout.of(cfg)
+    bad = layout_problems(a, lay)
+    if bad:
+        raise PlanError("the trainer refuses this layout:\n  " + "\n  ".join(bad))
+    r, c = cfg.rollout, cfg.cluster
+    ea = r.engine_args
+    context = int(ea.get("context_length") or a.max_position_embeddings)
+    server_tp = int(ea.get("tp_size", 1)) * int(ea.get("pp_size", 1))
+    n_servers = 0 if r.endpoints else r.n_servers
+    problems: list[str] = []
+    ranks, servers = _place(cfg, lay.world_size, n_servers, server_tp, problems)
+    gpu = c.gpus_per_node > 0
+    dtype_bytes = {"bfloat16": 2, "float32": 4}.get(cfg.model.dtype, 2 if gpu else 4)  # auto: bf16 on GPU
+    weights = dtype_bytes * total_params(a) // server_tp
+    kv_heads = max(1, a.num_kv_heads // server_tp)
+    kv_bytes = 1 if "fp8" in str(ea.get("kv_cache_dtype", "")) else dtype_bytes
+    per_token = 2 * a.num_layers * kv_heads * a.head_dim * kv_bytes
+    # least-loaded assignment of whole groups leaves no server more than one group above its share
+    live = math.ceil(r.max_live / max(1, n_servers)) + r.n - 1
+    if ea.get("max_running_requests"):
+        live = min(live, int(ea["max_running_requests"]))
+    frac = float(ea.get("mem_fraction_static", DEFAULT_MEM_FRACTION))
+    if ea.get("max_total_tokens"):
+        pool = int(ea["max_total_tokens"])
+    elif gpu:
+        pool = max(0, int(frac * c.gpu_memory_gib * GiB) - weights) // per_token
+    else:
+        pool = live * context  # SGLang sizes a CPU pool from free RAM: nothing to check against
+    server = ServerMemory(weights, per_token, live * context, pool, live)
+    trainer = trainer_memory(a, lay, context)
+    plan = Plan(cfg, a, lay, context, server_tp, ranks, servers, trainer, server, problems)
+    _check_memory(plan)
+    return plan
+
+
+def check(cfg: RunConfig) -> Plan:
+    """`make_plan(cfg)` that raises PlanError when anything does not fit."""
+    return make_plan(cfg).check()
+
+
+def _place(cfg: RunConfig, world: int, n_servers: int, server_gpus: int, problems: list[str]):
+    c = cfg.cluster
+    if c.gpus_per_node == 0:
+        ranks = [(r * c.nodes // world, None) for r in range(world)]
+        servers = [Server(i, i * c.nodes // max(1, n_servers), []) for i in range(n_servers)]
+        return ranks, servers
+    g, total = c.gpus_per_node, c.nodes * c.gpus_per_node
+    disagg = c.placement == "disaggregated"
+    train_gpus = total - c.rollout_gpus if disagg else total
+    roll_first, roll_gpus = (train_gpus, c.rollout_gpus) if disagg else (0, total)
+    where = "the trainer's GPUs (cluster.nodes*gpus_per_node - cluster.rollout_gpus)" if disagg else "the GPUs"
+    if world > train_gpus:
+        problems.append(
+            f"trainer world size {world} (tp*pp*cp*dp) is larger than {where} = {train_gpus}: lower trainer.dp "
+            f"to {max(1, train_gpus // (world // cfg.trainer.dp))} or add nodes"
+        )
+    tp_group = cfg.trainer.tp
+    if tp_group > g or g % tp_group:
+        problems.append(f"trainer.tp = {tp_group} does not fit whole inside a node of {g} GPUs: use a divisor of {g}")
+    if server_gpus > g or g % server_gpus:
+        problems.append(
+            f"a server takes {server_gpus} GPUs (engine_args tp_size*pp_size), which does not divide a node of {g}"
+            " GPUs: a server never spans nodes"
+        )
+    if n_servers * server_gpus > roll_gpus:
+        problems.append(
+            f"{n_servers} servers x {server_gpus} GPUs = {n_servers * server_gpus} GPUs, more than the "
+            f"{roll_gpus} {'cluster.rollout_gpus' if disagg else 'GPUs'}: lower rollout.n_servers to "
+            f"{roll_gpus // server_gpus}"
+        )
+    ranks = [(r // g, r % g) for r in range(min(world, train_gpus))]
+    servers = []
+    for i in range(n_servers):
+        first = roll_first + i * server_gpus
+        if first + server_gpus > total:
+            break
+        servers.append(Server(i, first // g, [(first + j) % g for j in range(server_gpus)]))
+    return ranks, servers
+
+
+def _check_memory(p: Plan) -> None:
+    c, s, t, out = p.cfg.cluster, p.server, p.trainer, p.problems
+    ea = p.cfg.rollout.engine_args
+    if s.kv_pool_tokens < s.kv_needed_tokens:
+        fits = s.kv_pool_tokens // p.context
+        # a CPU server's pool is bounded for RAM's sake; SGLang retracts requests when it runs full
+        target = out if c.gpus_per_node else p.notes
+        pool = "engine_args.max_total_tokens" if ea.get("max_total_tokens") else (
+            f"{ea.get('mem_fraction_static', DEFAULT_MEM_FRACTION)} x {c.gpu_memory_gib} GiB - "
+            f"{s.weights / GiB:.1f} GiB weights at {s.kv_bytes_per_token / 1024:.0f} KiB/token per GPU")
+        target.append(
+            f"KV cache: a server must hold {s.live_per_server} live responses x {p.context} tokens = "
+            f"{s.kv_needed_tokens} tokens, its pool holds {s.kv_pool_tokens} ({pool}): set "
+            f"engine_args.max_running_requests to {fits} (and rollout.max_live to {fits * max(1, len(p.servers))}), "
+            "or give the pool more (engine_args.mem_fraction_static, max_total_tokens, tp_size)"
+        )
+    if c.gpus_per_node == 0:
+        return
+    cap = int(c.gpu_memory_gib * GiB)
+    frac = float(ea.get("mem_fraction_static", DEFAULT_MEM_FRACTION))
+    colocated = c.placement == "colocated"
+    train_peak = t.total + PROCESS_OVERHEAD * (2 if colocated else 1)
+    roll_peak = int(frac * cap) + PROCESS_OVERHEAD * (2 if colocated else 1)
+    if s.weights > frac * cap:
+        out.append(f"server weights {s.weights / GiB:.1f} GiB per GPU exceed mem_fraction_static x GPU memory "
+                   f"= {frac * cap / GiB:.1f} GiB: raise engine_args.tp_size")
+    if train_peak > cap:
+        lay, a = p.layout, p.arch
+        if t.activations > t.weights + t.gradients + t.optimizer:
+            split = "raise trainer.tp" if not (a.moe and not MOE_TENSOR_PARALLEL) else "the trainer keeps MoE at tp 1"
+            fix = (f"activations dominate ({t.tokens} tokens a micro-batch: max(micro_batch_tokens, context)); "
+                   f"{split}, {'lower trainer.micro_batch_tokens to the context, ' if lay.micro_batch_tokens > p.context else ''}"
+                   f"or shorten the context; recompute {lay.recompute}")
+        else:
+            fix = "weights, gradients and optimizer dominate: raise trainer.tp/pp (or ep for experts) or dp"
+        out.append(
+            f"trainer needs {train_peak / GiB:.1f} GiB per GPU (weights {t.weights / GiB:.1f}, gradients "
+            f"{t.gradients / GiB:.1f}, optimizer {t.optimizer / GiB:.1f}, activations {t.activations / GiB:.1f}, "
+            f"logits {t.logits / GiB:.1f}, overhead {(train_peak - t.total) / GiB:.1f}) of {c.gpu_memory_gib} GiB: {fix}"
+        )
+    if roll_peak > cap:
+        out.append(f"rollout takes mem_fraction_static {frac} x {c.gpu_memory_gib} GiB plus process overhead = "
+                   f"{roll_peak / GiB:.1f} GiB: lower engine_args.mem_fraction_static")
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
+
+
+def render(p: Plan) -> str:
+    """The plan as text: model, layout, placement by node and GPU, memory per GPU, problems."""
+    a, lay, c, r = p.arch, p.layout, p.cfg.cluster, p.cfg.rollout
+    gpu = c.gpus_per_node > 0
+    unit, scale = ("GiB", GiB) if gpu else ("MiB", 1 << 20)
+    num = lambda b: f"{b / scale:9.2f}"  # noqa: E731
+    moe = f", {a.num_experts} experts top-{a.top_k} x {a.moe_intermediate_size}" if a.moe else ""
+    where = (f"{c.gpus_per_node} GPUs of {c.gpu_memory_gib} GiB, {c.placement}"
+             + (f" ({c.rollout_gpus} GPUs for rollout)" if c.placement == "disaggregated" else "")) if gpu else "CPU"
+    n_srv = f"{len(r.endpoints)} external endpoint(s)" if r.endpoints else f"{len(p.servers)} server(s)"
+    lines = [
+        f"model    {a.architecture}: {_count(total_params(a))} params, hidden {a.hidden_size}, {a.num_layers} "
+        f"layers, {a.num_heads}/{a.num_kv_heads} heads x {a.head_dim}, vocab {a.vocab_size}{moe}",
+        f"cluster  {c.launcher} launcher, {c.nodes} node(s) x {where}",
+        f"trainer  world {lay.world_size} = tp {lay.tp} x pp {lay.pp} x cp {lay.cp} x dp {lay.dp} (ep {lay.ep}, "
+        f"etp {lay.etp}); sequence parallel {'on' if lay.sequence_parallel else 'off'}, recompute {lay.recompute}",
+        f"rollout  {n_srv} x {p.gpus_per_server} {'GPU(s)' if gpu else 'device'}, context {p.context}, max_live "
+        f"{r.max_live} -> at most {p.server.live_per_server} live per server",
+        "",
+        "placement",
+    ]
+    by_slot: dict[tuple[int, int], list[str]] = {}
+    for rank, (node, g) in enumerate(p.ranks):
+        by_slot.setdefault((node, -1 if g is None else g), []).append(f"trainer rank {rank}")
+    for s in p.servers:
+        for j, g in enumerate(s.gpus or [-1]):
+            by_slot.setdefault((s.node, g), []).append(f"server {s.index}" + (" (base_gpu_id)" if gpu and j == 0
+                                                                                else ""))
+    for (node, g), who in sorted(by_slot.items()):
+        lines.append(f"  node {node}  {'cpu' if g < 0 else f'gpu {g}':>6}  " + ", ".join(who))
+    t, s = p.trainer, p.server
+    wdt = {"bfloat16": "bf16", "float32": "fp32"}.get(p.cfg.model.dtype, "bf16" if gpu else "fp32")
+    rows = [
+        ("weights (trainer bf16, server " + wdt + ")", t.weights, s.weights),
+        ("gradients (fp32)", t.gradients, None),
+        (f"optimizer (fp32 main + Adam, over dp {lay.dp * lay.cp})", t.optimizer, None),
+        (f"activations ({t.tokens} tokens, recompute {lay.recompute})", t.activations, None),
+        ("final hidden states + one logits chunk", t.logits, None),
+        (f"KV cache ({s.live_per_server} x {p.context} tok, {s.kv_bytes_per_token / 1024:.1f} KiB/tok)", None,
+         s.kv_needed),
+        ("total counted", t.total, s.weights + s.kv_needed),
+    ]
+    lines += ["", f"memory per {'GPU' if gpu else 'process'} ({unit})".ljust(52) + "  trainer    rollout"]
+    for name, tv, sv in rows:
+        lines.append(f"  {name:<50}" + (num(tv) if tv is not None else " " * 9) + ("  " + num(sv) if sv is not None
+                                                                                 else ""))
+    if gpu:
+        frac = float(r.engine_args.get("mem_fraction_static", DEFAULT_MEM_FRACTION))
+        lines.append(f"  GPU {c.gpu_memory_gib} GiB; rollout reserves mem_fraction_static {frac} = "
+                     f"{frac * c.gpu_memory_gib:.1f} GiB (KV pool {s.kv_pool_tokens} tokens); plus "
+                     f"{PROCESS_OVERHEAD / GiB:.1f} GiB per process not counted above")
+    else:
+        lines.append("  trainer rows: the bf16 GPU formulas, for scale; nothing is checked against RAM")
+    lines.append("")
+    lines += [f"note: {x}" for x in p.notes]
+    lines += [f"DOES NOT FIT: {x}" for x in p.problems] or ["fits"]
+    return "\n".join(lines)
+
+
+def cli_main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="rollverify plan",
+        description="Print where each trainer rank and server of a config goes (node, GPU) and the memory per GPU; "
+        "exit 2 with what to change when it does not fit. Needs no GPU, no weights and no data files.",
+    )
+    p.add_argument("--config", required=True, help="YAML config (a path or a shipped config's name)")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. cluster.nodes=2 trainer.dp=8")
+    a = p.parse_args(argv)
+    try:
+        plan = make_plan(load_config(a.config, a.overrides, check_task=False))  # data files may be elsewhere
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(plan.table())
+    return 2 if plan.problems else 0
