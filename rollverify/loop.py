@@ -133,6 +133,7 @@ class Loop:
         self.ledger.check(self.buffer)
         self.step += 1
         rewards = np.concatenate([g.rewards for g in groups]) if groups else np.zeros(0)
+        lengths = [r.num_tokens for g in groups for r in g.responses]
         metrics = {
             **train_metrics,  # the trainer's own figures first: the loop's names below win
             **rollout,
@@ -141,6 +142,7 @@ class Loop:
             "mode": mode,
             "policy_version": self.version,
             "reward_mean": float(rewards.mean()) if rewards.size else float("nan"),
+            "response_length_mean": float(np.mean(lengths)) if lengths else float("nan"),  # trained responses
             "n_finished_groups": len(groups),
             "rollout_s": t1 - t0,
             "train_s": t2 - t1,

@@ -286,6 +286,7 @@ def test_after_the_switch_no_backlog_is_generated_and_thrown_away():
     assert len(switch_step["engine_groups"]) <= 4  # only the next step's groups stay on the engine
     for m in after:
         assert m["mode"] == "on_policy" and m["n_finished_groups"] == 4 and m["cut"] == 0
+        assert m["response_length_mean"] == m["trained"] / 8  # B * n = 8 trained responses
     # after it, tokens generated per trained token as in pure on_policy (where they are equal)
     ratio = sum(m["tokens_generated"] for m in after) / sum(m["trained"] for m in after)
     on_policy = run("on_policy")
