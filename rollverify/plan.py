@@ -295,7 +295,11 @@ class Server:
 
 @dataclass
 class Plan:
-    """Where everything goes and what each GPU holds; `problems` lists what does not fit (empty: it runs)."""
+    """Where everything goes and what each GPU holds; `problems` lists what does not fit (empty: it runs).
+
+    `ranks` and `servers` are the placement a launcher follows: trainer rank r on `ranks[r]`, server i on node
+    `servers[i].node` with `base_gpu_id = servers[i].gpus[0]`.
+    """
 
     cfg: RunConfig
     arch: ModelArch
@@ -331,6 +335,12 @@ def make_plan(cfg: RunConfig) -> Plan:
     server_tp = int(ea.get("tp_size", 1)) * int(ea.get("pp_size", 1))
     n_servers = 0 if r.endpoints else r.n_servers
     problems: list[str] = []
+    if int(ea.get("dp_size", 1)) > 1 and not ea.get("enable_dp_attention"):
+        problems.append(f"engine_args.dp_size = {ea['dp_size']}: a server's weight updates need dp_size 1; "
+                        "raise rollout.n_servers instead")
+    if r.max_new_tokens >= context:
+        problems.append(f"rollout.max_new_tokens = {r.max_new_tokens} leaves no room for a prompt in the "
+                        f"{context}-token context: lower it or raise engine_args.context_length")
     ranks, servers = _place(cfg, lay.world_size, n_servers, server_tp, problems)
     gpu = c.gpus_per_node > 0
     dtype_bytes = {"bfloat16": 2, "float32": 4}.get(cfg.model.dtype, 2 if gpu else 4)  # auto: bf16 on GPU

@@ -115,6 +115,8 @@ def test_moe_counts_experts_over_ep():
         ("qwen3_8b_base", ["rollout.n_servers=20"], r"20 servers x 2 GPUs = 40 GPUs, more than the 32 GPUs"),
         ("qwen3_8b_base", ["trainer.tp=16", "trainer.dp=2"], r"trainer\.tp = 16 does not divide the 32 attention / 8"),
         ("tiny_cpu", ["trainer.tp=3"], r"trainer\.tp = 3 does not divide the 4 attention / 2 KV heads"),
+        ("qwen3_8b_base", ["rollout.max_new_tokens=32768"], r"max_new_tokens = 32768 leaves no room for a prompt"),
+        ("qwen3_8b_base", ["rollout.engine_args.dp_size=2"], r"engine_args\.dp_size = 2: a server's weight updates"),
     ],
 )
 def test_broken_variants_are_refused_by_the_cli(name, overrides, message, capsys):
