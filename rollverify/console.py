@@ -95,11 +95,26 @@ class Progress:
 
 
 # --- known harmless warnings of the CPU path ------------------------------------------------------------------
-# Each entry names the module that emits it and the start of its message; anything else still shows.
+# Each entry names the module that emits it and its message; anything else still shows. On a GPU none of them is
+# filtered (a missing Transformer Engine matters there).
 # (category, message regex, module regex)
-CPU_WARNINGS: tuple[tuple[type[Warning], str, str], ...] = ()
+CPU_WARNINGS: tuple[tuple[type[Warning], str, str], ...] = (
+    # Megatron-Core without Transformer Engine / Apex (neither exists for CPU) uses its torch fallbacks
+    (UserWarning, r"Transformer Engine and Apex are not installed", r"megatron"),
+    (UserWarning, r"Apex is not installed", r"megatron"),
+    # Megatron-Core's own default cuda_graph_scope; CUDA graphs are never captured on CPU
+    (UserWarning, r"full scope is deprecated", r"megatron\.core\.transformer\.transformer_config"),
+    # Megatron's optimizer probes `.grad` of the CPU path's parameter views
+    (UserWarning, r"The \.grad attribute of a Tensor that is not a leaf Tensor", r"megatron\.core\.optimizer"),
+    # Megatron-Core 0.16 calls these gloo/NCCL collectives by their old names
+    (
+        FutureWarning,
+        r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated",
+        r"torch\.distributed\.c10d_logger",
+    ),
+)
 # (logger name, message start) of log records that say the same kind of thing
-CPU_LOG_LINES: tuple[tuple[str, str], ...] = ()
+CPU_LOG_LINES: tuple[tuple[str, str], ...] = (("torch.utils.cpp_extension", "No CUDA runtime is found"),)
 
 
 class _DropMessages(logging.Filter):
@@ -111,8 +126,15 @@ class _DropMessages(logging.Filter):
         return not str(record.getMessage()).startswith(self.starts)
 
 
-def quiet_cpu_warnings() -> None:
-    """Drop the known harmless warnings of the CPU path (listed above, by module and message), nothing else."""
+def quiet_cpu_warnings(cpu: bool | None = None) -> None:
+    """Drop the known harmless warnings of the CPU path (listed above, by module and message), nothing else.
+    `cpu`: whether this is the CPU path (default: no CUDA device)."""
+    if cpu is None:
+        import torch
+
+        cpu = not torch.cuda.is_available()
+    if not cpu:
+        return
     for category, message, module in CPU_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category, module=module)
     by_logger: dict[str, list[str]] = {}

@@ -257,3 +257,38 @@ def test_demo_table_prints_a_dash_for_nan():
     on_policy = text.splitlines()[2].split()
     assert on_policy[0] == "on_policy" and on_policy.count("-") == 2 and on_policy.count("0.250") == len(COLUMNS) - 2
 
+
+
+def test_cpu_warning_filters_drop_only_the_known_ones():
+    import logging
+    import warnings
+
+    from rollverify.console import CPU_WARNINGS, quiet_cpu_warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.resetwarnings()
+        warnings.simplefilter("always")
+        quiet_cpu_warnings(cpu=True)
+
+        def warn(message, category, module):
+            warnings.warn_explicit(message, category, f"{module.replace('.', '/')}.py", 1, module=module)
+
+        warn("Transformer Engine and Apex are not installed. Falling back to Torch optimizers.", UserWarning,
+             "megatron.core.optimizer")
+        warn("Apex is not installed. Falling back to Torch Norm", UserWarning, "megatron.core.models.backends")
+        warn("`torch.distributed.all_gather_into_tensor` is deprecated. Please use ...", FutureWarning,
+             "torch.distributed.c10d_logger")
+        kept = [
+            ("Apex is not installed", UserWarning, "mypackage.norms"),  # same text, another module
+            ("loss is nan", UserWarning, "megatron.core.optimizer"),  # same module, another text
+            ("`torch.distributed.all_reduce_coalesced` is deprecated", FutureWarning, "torch.distributed.c10d_logger"),
+        ]
+        for k in kept:
+            warn(*k)
+    assert [str(w.message) for w in seen] == [k[0] for k in kept]
+    assert len(CPU_WARNINGS) >= 5
+    record = logging.LogRecord("torch.utils.cpp_extension", logging.WARNING, "x", 1, "No CUDA runtime is found, "
+                               "using CUDA_HOME='/usr/local'", None, None)
+    other = logging.LogRecord("torch.utils.cpp_extension", logging.WARNING, "x", 1, "compiling ext", None, None)
+    logger = logging.getLogger("torch.utils.cpp_extension")
+    assert not logger.filter(record) and logger.filter(other)
