@@ -166,7 +166,21 @@ def summarize(records: Sequence[Mapping[str, Any]], last_n: int = 10) -> dict[st
     }
     for k in TIME_FIELDS:
         out[f"{k[:-2]}_total_s"] = sum(_values(records, k))
+    evals_last = {}
+    for key in eval_set_keys(records):  # eval/<set>/avg@k, pass@k: the last value of each
+        vals = _values(records, key)
+        evals_last[key] = vals[-1] if vals else None
+    if evals_last:
+        out["eval_sets_last"] = evals_last
     return _jsonable(out)
+
+
+def eval_set_keys(records: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The per-set evaluation keys (``eval/<set>/avg@k``, ``eval/<set>/pass@k``) in first-seen order."""
+    keys: dict[str, None] = {}
+    for r in records:
+        keys.update((k, None) for k in r if k.startswith("eval/"))
+    return list(keys)
 
 
 class MetricsWriter:
@@ -362,6 +376,15 @@ def plot_run(records: Sequence[Mapping[str, Any]], out_dir: str | Path) -> list[
     axes[-1].axis("off")
     paths.append(out_dir / "overview.png")
     fig.savefig(paths[-1], dpi=90)
+    keys = eval_set_keys(records)
+    if keys:  # one panel per statistic (avg@k, pass@k), one line per eval set
+        stats = sorted({k.rsplit("/", 1)[1] for k in keys})
+        fig, axes = _figure(1, len(stats))
+        for ax, stat in zip(axes, stats, strict=True):
+            series = [(k, k.split("/")[1]) for k in keys if k.endswith("/" + stat)]
+            _draw_panel(ax, records, f"Eval {stat}", series, stat, switch)
+        paths.append(out_dir / "eval_sets.png")
+        fig.savefig(paths[-1], dpi=100)
     return paths
 
 

@@ -1,0 +1,276 @@
+"""Evaluation: k samples per prompt on named sets, avg@k and pass@k per set; `rollverify eval` for a checkpoint.
+
+The sets are `eval.sets` (benchmark files in the project's layout, e.g. AIME24, AIME25, AMC23, MATH500 made by
+tools/prepare_data.py) or, without any, the task's held-out split (`heldout`, `eval.n_prompts` prompts). Each
+prompt is rendered as in training (chat template), sampled `eval.n_samples` = k times at `eval.temperature`, and
+every response scored by the run's reward. Per set:
+
+- ``eval/<set>/avg@k``: the mean reward over all k x prompts responses;
+- ``eval/<set>/pass@k``: the share of prompts with at least one response whose reward is >= `eval.solved_at`;
+
+and ``eval_reward`` is the mean of the sets' avg@k. During training these go into metrics.jsonl, TensorBoard
+and the plots; `rollverify eval --model PATH --config FILE` prints them (and writes them with ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rollverify.interfaces import SamplingParams
+from rollverify.tasks.base import Example
+from rollverify.tasks.data import load_prompt_file
+
+HELDOUT = "heldout"
+_SET_KEYS = ("path", "prompt_key", "label_key", "uid_key")
+_SET_NAME = re.compile(r"[A-Za-z0-9_.\-]+")
+
+
+@dataclass(frozen=True)
+class EvalSetSpec:
+    """One entry of `eval.sets`: a prompt file and the columns to read (see `load_prompt_file`)."""
+
+    name: str
+    path: str
+    prompt_key: str = "prompt"
+    label_key: str = "auto"
+    uid_key: str | None = None
+
+
+@dataclass(frozen=True)
+class EvalSet:
+    name: str
+    examples: list[Example]
+
+
+def parse_eval_sets(raw: dict[str, Any]) -> list[EvalSetSpec]:
+    """`eval.sets` as specs: each value a file path or a mapping with `path` and optional column keys."""
+    specs = []
+    for name, value in raw.items():
+        if not _SET_NAME.fullmatch(name):
+            raise ValueError(f"set name {name!r}: use letters, digits, '_', '-' or '.' (it names metrics)")
+        if name == HELDOUT:
+            raise ValueError(f"set name {HELDOUT!r} is the task's held-out split; name the file otherwise")
+        if isinstance(value, str):
+            value = {"path": value}
+        if not isinstance(value, dict) or not isinstance(value.get("path"), str):
+            raise ValueError(f"{name}: expected a file path or a mapping with 'path', got {value!r}")
+        unknown = sorted(set(value) - set(_SET_KEYS))
+        if unknown:
+            raise ValueError(f"{name}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(_SET_KEYS)}")
+        bad = [k for k, v in value.items() if not (isinstance(v, str) or (k == "uid_key" and v is None))]
+        if bad:
+            raise ValueError(f"{name}.{bad[0]}: expected a string, got {value[bad[0]]!r}")
+        specs.append(EvalSetSpec(name=name, **value))
+    return specs
+
+
+def load_eval_sets(specs: Sequence[EvalSetSpec]) -> list[EvalSet]:
+    out = []
+    for s in specs:
+        try:
+            exs = load_prompt_file(
+                Path(s.path).expanduser(), prompt_key=s.prompt_key, label_key=s.label_key, uid_key=s.uid_key
+            )
+        except (ValueError, FileNotFoundError) as e:
+            raise type(e)(f"{s.name}: {e}") from None
+        out.append(EvalSet(s.name, exs))
+    return out
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c solved (Chen et al., 2021): 1 - C(n-c, k) / C(n, k)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n; got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
+def set_metrics(scores: np.ndarray, solved_at: float) -> dict[str, float]:
+    """avg@k and pass@k of one set from its rewards, shape [prompts, k]."""
+    scores = np.asarray(scores, dtype=np.float64)
+    if scores.ndim != 2 or scores.size == 0:
+        raise ValueError(f"scores must be [prompts, k] and non-empty, got shape {scores.shape}")
+    k = scores.shape[1]
+    solved = (scores >= solved_at).sum(axis=1)
+    return {
+        f"avg@{k}": float(scores.mean()),
+        f"pass@{k}": float(np.mean([pass_at_k(k, int(c), k) for c in solved])),
+    }
+
+
+class Evaluator:
+    """Samples and scores the eval sets on an engine; `run` returns the metrics named in the module docstring.
+
+    `render` gives a prompt's token ids (`PromptRenderer.ids`), `decode` a response's text, `score` its reward
+    as ``score(prompt, response, label)``.
+    """
+
+    def __init__(
+        self,
+        sets: Sequence[EvalSet],
+        *,
+        render: Callable[[Example], list[int]],
+        decode: Callable[[list[int]], str],
+        score: Callable[[str, str, str], float],
+        n_samples: int,
+        temperature: float,
+        max_new_tokens: int,
+        solved_at: float = 1.0,
+    ) -> None:
+        if not sets or any(not s.examples for s in sets):
+            raise ValueError("evaluation needs at least one set, each with at least one prompt")
+        self.sets = list(sets)
+        self.render, self.decode, self.score = render, decode, score
+        self.k, self.temperature, self.max_new_tokens = n_samples, temperature, max_new_tokens
+        self.solved_at = solved_at
+        self._ids = [[np.asarray(render(x), np.int32) for x in s.examples] for s in self.sets]
+
+    @property
+    def n_responses(self) -> int:
+        return self.k * sum(len(s.examples) for s in self.sets)
+
+    def run(self, engine: Any, tag: str = "eval") -> dict[str, float]:
+        """One batch over every set (k copies of each prompt), then the per-set metrics and `eval_reward`."""
+        prompts = [ids for set_ids in self._ids for ids in set_ids for _ in range(self.k)]
+        outs = engine.generate(prompts, self.max_new_tokens, SamplingParams(temperature=self.temperature), tag=tag)
+        metrics: dict[str, float] = {}
+        i = 0
+        for s in self.sets:
+            scores = np.empty((len(s.examples), self.k), np.float64)
+            for p, x in enumerate(s.examples):
+                for j in range(self.k):
+                    scores[p, j] = self.score(x.prompt, self.decode(outs[i].tolist()), x.label)
+                    i += 1
+            metrics.update({f"eval/{s.name}/{key}": v for key, v in set_metrics(scores, self.solved_at).items()})
+        avgs = [v for key, v in metrics.items() if key.endswith(f"/avg@{self.k}")]
+        metrics["eval_reward"] = float(np.mean(avgs))
+        return metrics
+
+
+def build_evaluator(cfg: Any, task: Any, tokenizer: Any, score: Callable[[str, str, str], float]) -> Evaluator:
+    """The evaluator of a run config (`RunConfig`) for this task, tokenizer and reward."""
+    from rollverify.tasks.chat import PromptRenderer
+
+    e = cfg.eval
+    sets = load_eval_sets(parse_eval_sets(e.sets))
+    if not sets:
+        sets = [EvalSet(HELDOUT, task.examples("eval", e.n_prompts, seed=cfg.seed))]
+    renderer = PromptRenderer(tokenizer, getattr(task, "chat_template", "auto"))
+    return Evaluator(
+        sets,
+        render=renderer.ids,
+        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
+        score=score,
+        n_samples=e.n_samples,
+        temperature=e.temperature,
+        max_new_tokens=e.max_new_tokens or cfg.rollout.max_new_tokens,
+        solved_at=e.solved_at,
+    )
+
+
+def format_table(metrics: dict[str, float]) -> str:
+    """One line per set: its avg@k and pass@k."""
+    rows: dict[str, dict[str, float]] = {}
+    for key, v in metrics.items():
+        if key.startswith("eval/"):
+            _, name, stat = key.split("/", 2)
+            rows.setdefault(name, {})[stat] = v
+    width = max([len(n) for n in rows] + [3])
+    lines = []
+    for name, stats in rows.items():
+        lines.append(f"{name:<{width}}  " + "  ".join(f"{k} {v:.4f}" for k, v in stats.items()))
+    return "\n".join(lines)
+
+
+# --- rollverify eval --------------------------------------------------------------------------------------
+
+
+def evaluate_checkpoint(cfg: Any, model: str | Path, out: str | Path | None = None) -> dict[str, float]:
+    """Evaluate the HF checkpoint folder `model` with `cfg`'s task, reward and eval settings, on servers
+    launched for it (or on `rollout.endpoints`, which first receive its weights)."""
+    from transformers import AutoTokenizer
+
+    from rollverify.export import hf_weight_buckets
+    from rollverify.tasks import get_task
+    from rollverify.tasks.reward import task_reward
+
+    model = Path(model)
+    if out is not None and Path(out).exists():
+        raise FileExistsError(f"--out {out} exists; give a new file name (results are never overwritten)")
+    task = get_task(cfg.task.name, **cfg.task.options)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    evaluator = build_evaluator(cfg, task, tokenizer, task_reward(task, cfg.task.reward))
+    engine = _start_engine(cfg, model)
+    try:
+        if cfg.rollout.endpoints:
+            engine.update_weights(hf_weight_buckets(model), 0)
+        metrics = evaluator.run(engine, tag="eval")
+    finally:
+        engine.close(shutdown=not cfg.rollout.endpoints)
+    result = {"model": str(model), "n_samples": cfg.eval.n_samples, **metrics}
+    if out is not None:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        with open(out, "x") as f:
+            f.write(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def _start_engine(cfg: Any, model: Path) -> Any:
+    """`rollout.endpoints` (cleared), or `rollout.n_servers` servers launched on `model` (logs in a temporary
+    folder). Like `rollverify train`, this entry point wires `sglang_ext` to the package."""
+    from sglang_ext import cpu_compat
+    from sglang_ext.launch import launch_server
+    from sglang_ext.rollout_engine import SGLangRolloutEngine
+
+    r = cfg.rollout
+    if r.endpoints:
+        engine = SGLangRolloutEngine(r.endpoints, timeout_s=r.server_timeout_s)
+        engine.reset()
+        return engine
+    cpu_compat.activate()
+    servers = []
+    try:
+        for _ in range(r.n_servers):
+            servers.append(launch_server(model, engine_args=dict(r.engine_args)))
+    except BaseException:
+        for s in servers:
+            s.stop()
+        raise
+    return SGLangRolloutEngine([s.endpoint for s in servers], servers=servers, timeout_s=r.server_timeout_s)
+
+
+def cli_main(argv: list[str] | None = None) -> int:
+    from rollverify.config import load_config
+
+    p = argparse.ArgumentParser(
+        prog="rollverify eval",
+        description="Evaluate a Hugging Face checkpoint (e.g. RUN/hf/step_N) on the config's eval sets: "
+        "avg@k and pass@k per set, k = eval.n_samples.",
+    )
+    p.add_argument("--model", required=True, help="checkpoint folder (config.json, safetensors, tokenizer)")
+    p.add_argument("--config", required=True, help="YAML config or a shipped config's name; its task, eval "
+                   "and rollout sections are used")
+    p.add_argument("--out", default=None, help="write the results as JSON to this new file")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. eval.n_samples=8")
+    a = p.parse_args(argv)
+    try:
+        cfg = load_config(a.config, [*a.overrides, f"model.path={json.dumps(a.model)}"])
+        cfg.check_paths()
+        if a.out is not None and Path(a.out).exists():
+            raise FileExistsError(f"--out {a.out} exists; give a new file name (results are never overwritten)")
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    result = evaluate_checkpoint(cfg, a.model, a.out)
+    print(format_table(result))
+    return 0

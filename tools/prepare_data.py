@@ -1,0 +1,194 @@
+"""Local copies of DAPO-Math-17k and the math benchmarks -> the project's prompt layout. Never downloads.
+
+    python tools/prepare_data.py --name dapo    --input dapo-math-17k.parquet          --out data/dapo.parquet
+    python tools/prepare_data.py --name aime24  --input aime_2024/train-*.parquet      --out data/aime24.jsonl
+    python tools/prepare_data.py --name aime25  --input AIME2025-I.jsonl AIME2025-II.jsonl --out data/aime25.jsonl
+    python tools/prepare_data.py --name amc23   --input amc23/test-*.parquet           --out data/amc23.jsonl
+    python tools/prepare_data.py --name math500 --input MATH-500/test.jsonl            --out data/math500.jsonl
+
+Input: parquet or JSONL files as published (several files are concatenated). Columns are found by name:
+- DAPO-Math-17k (verl layout): ``prompt`` = chat messages that already hold the instruction, ``reward_model.
+  ground_truth``, ``extra_info.index``; kept as they are. The published parquet repeats each of its ~17.4k
+  prompts ~100 times: repeats are dropped (same prompt and answer), ``--keep-duplicates`` keeps them.
+- benchmarks: the problem text from the first of ``problem``, ``Problem``, ``question``, ``Question``, ``prompt``
+  (HuggingFaceH4/aime_2024 and MATH-500: problem; Maxwell-Jia/AIME_2024: Problem; opencompass/AIME2025 and
+  AMC23 copies: question or problem), the answer from ``answer``, ``Answer``, ``ground_truth``, ``label`` (a list
+  takes its first element; 27.0 becomes 27), the id from ``id``, ``ID``, ``unique_id``, ``problem_idx``.
+  ``--prompt-key`` / ``--label-key`` / ``--id-key`` name other columns (dotted paths into nested ones).
+
+Output (``.jsonl`` or ``.parquet``, never overwriting an existing file): verl's layout, which `task.options.
+train_path` and `eval.sets` read directly: ``{"data_source": NAME, "prompt": [{"role": "user", "content": ...}],
+"ability": "math", "reward_model": {"ground_truth": ..., "style": "rule"}, "extra_info": {"index": ...}}``.
+A benchmark problem is wrapped in DAPO-Math's instruction (``--template``; ``{problem}`` marks the problem), so
+evaluation asks for the answer the way training did.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from rollverify.tasks.data import SUFFIXES, read_rows  # noqa: E402
+
+PROMPT_KEYS = ("problem", "Problem", "question", "Question", "prompt")
+LABEL_KEYS = ("reward_model.ground_truth", "answer", "Answer", "ground_truth", "label")
+ID_KEYS = ("extra_info.index", "id", "ID", "unique_id", "problem_idx")
+DAPO_TEMPLATE = (
+    "Solve the following math problem step by step. The last line of your response should be of the form "
+    "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{problem}\n\n"
+    'Remember to put your answer on its own line after "Answer:".'
+)
+
+
+class PrepareError(ValueError):
+    """Bad input to this tool; the message names the file or option and what to do."""
+
+
+def _get(row: dict[str, Any], key: str) -> Any:
+    cur: Any = row
+    for part in key.split(".") if key not in row else [key]:
+        if not isinstance(cur, dict) or part not in cur:
+            raise KeyError(key)
+        cur = cur[part]
+    return cur
+
+
+def _has(row: dict[str, Any], key: str) -> bool:
+    try:
+        _get(row, key)
+    except KeyError:
+        return False
+    return True
+
+
+def _pick(row: dict[str, Any], given: str | None, candidates: tuple[str, ...], what: str, where: str) -> str | None:
+    if given is not None:
+        if not _has(row, given):
+            raise PrepareError(f"{where}: no {what} column {given!r}; columns: {', '.join(row)}")
+        return given
+    for k in candidates:
+        if _has(row, k):
+            return k
+    return None
+
+
+def _label(value: Any, where: str) -> str:
+    if isinstance(value, (list, tuple)) and value:
+        value = value[0]
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)) or str(value).strip() == "":
+        raise PrepareError(f"{where}: the answer must be a non-empty string or number, got {value!r}")
+    return str(value).strip()
+
+
+def convert(rows: list[dict[str, Any]], name: str, *, template: str, prompt_key: str | None = None,
+            label_key: str | None = None, id_key: str | None = None, dedupe: bool = True,
+            where: str = "input") -> list[dict[str, Any]]:
+    """Rows of a published layout as rows of the project's layout (see the module docstring)."""
+    if not rows:
+        raise PrepareError(f"{where}: no rows")
+    first = rows[0]
+    pk = _pick(first, prompt_key, PROMPT_KEYS, "prompt", where)
+    lk = _pick(first, label_key, LABEL_KEYS, "answer", where)
+    ik = _pick(first, id_key, ID_KEYS, "id", where)
+    if pk is None or lk is None:
+        missing = "problem" if pk is None else "answer"
+        tried = PROMPT_KEYS if pk is None else LABEL_KEYS
+        raise PrepareError(
+            f"{where}: no {missing} column: tried {', '.join(tried)}; columns: {', '.join(first)}; "
+            f"name it with --{'prompt' if pk is None else 'label'}-key"
+        )
+    out, seen = [], set()
+    for i, row in enumerate(rows):
+        at = f"{where} row {i}"
+        for k in (pk, lk):
+            if not _has(row, k):
+                raise PrepareError(f"{at}: missing column {k!r}; columns: {', '.join(row)}")
+        value = _get(row, pk)
+        if isinstance(value, str):
+            if "{problem}" not in template:
+                raise PrepareError("--template must contain {problem}")
+            messages = [{"role": "user", "content": template.replace("{problem}", value.strip())}]
+        elif isinstance(value, (list, tuple)) and value and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in value
+        ):
+            messages = [{"role": m["role"], "content": m["content"]} for m in value]  # chat data: as it is
+        else:
+            raise PrepareError(f"{at}: {pk!r} must be text or a list of {{role, content}} messages")
+        label = _label(_get(row, lk), at)
+        key = (json.dumps(messages, sort_keys=True), label)
+        if dedupe and key in seen:
+            continue
+        seen.add(key)
+        index = _get(row, ik) if ik is not None and _has(row, ik) else i
+        out.append({
+            "data_source": name,
+            "prompt": messages,
+            "ability": "math",
+            "reward_model": {"ground_truth": label, "style": "rule"},
+            "extra_info": {"index": str(index)},
+        })
+    return out
+
+
+def write_rows(rows: list[dict[str, Any]], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".partial")
+    if out.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), tmp)
+    else:
+        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    tmp.rename(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input", nargs="+", required=True, help="local parquet/JSONL file(s) of one data set")
+    p.add_argument("--out", required=True, help="new .jsonl or .parquet file")
+    p.add_argument("--name", required=True, help="data_source of the rows, e.g. dapo, aime24, math500")
+    p.add_argument("--prompt-key", default=None)
+    p.add_argument("--label-key", default=None)
+    p.add_argument("--id-key", default=None)
+    p.add_argument("--template", default=DAPO_TEMPLATE, help="instruction around a text problem ({problem})")
+    p.add_argument("--keep-duplicates", action="store_true", help="keep rows whose prompt and answer repeat")
+    a = p.parse_args(argv)
+    out = Path(a.out)
+    try:
+        if out.suffix not in (".jsonl", ".parquet"):
+            raise PrepareError(f"--out {out}: use a .jsonl or .parquet file name")
+        if out.exists():
+            raise PrepareError(f"--out {out} exists; give a new file name (this tool never overwrites)")
+        rows: list[dict[str, Any]] = []
+        for f in map(Path, a.input):
+            if f.suffix not in SUFFIXES:
+                raise PrepareError(f"--input {f}: unsupported file type; give {', '.join(SUFFIXES)} files")
+            if not f.is_file():
+                raise PrepareError(
+                    f"--input {f} does not exist; download the data set yourself (this tool reads local "
+                    "copies only, it never downloads)"
+                )
+            rows += convert(read_rows(f), a.name, template=a.template, prompt_key=a.prompt_key,
+                            label_key=a.label_key, id_key=a.id_key, dedupe=False, where=str(f))
+        if not a.keep_duplicates:
+            rows = convert(rows, a.name, template=a.template, dedupe=True, where="merged input")
+    except (PrepareError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    write_rows(rows, out)
+    print(f"{len(rows)} prompts -> {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
