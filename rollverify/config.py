@@ -72,9 +72,6 @@ class TaskConfig:
 
     name: str = "countdown"  # a registered task: countdown, countdown_short, math
     options: dict[str, Any] = _f(factory=dict)  # task arguments, e.g. {train_path: data/dapo.parquet}
-    # A reward function instead of the task's own: module:function or path/to/file.py:function, called as
-    # fn(prompt, response, label) -> float (rollverify.tasks.reward)
-    reward: str | None = None
 
 
 @dataclass
@@ -156,17 +153,11 @@ class ClusterConfig:
 
 @dataclass
 class EvalConfig:
-    """Evaluation with the current policy (`rollverify.evaluate`): the task's held-out split, or named sets."""
+    """Held-out reward, sampled with the current policy."""
 
     every: int = _f(10, ge=0)  # steps between evaluations (and at the last step); 0: never
-    n_prompts: int = _f(64, ge=1)  # prompts of the held-out split; sets are evaluated whole
-    # Benchmark files in the project's layout (tools/prepare_data.py), by name: {aime24: data/aime24.parquet,
-    # math500: {path: data/math500.jsonl, prompt_key: problem, label_key: answer}}; empty: the held-out split
-    sets: dict[str, Any] = _f(factory=dict)
-    n_samples: int = _f(1, ge=1)  # k responses per prompt: eval/<set>/avg@k and pass@k
+    n_prompts: int = _f(64, ge=1)
     temperature: float = _f(1.0, gt=0.0)
-    max_new_tokens: int | None = _f(None, ge=1)  # null: rollout.max_new_tokens
-    solved_at: float = 1.0  # a response whose reward is >= this counts as solved for pass@k
 
 
 @dataclass
@@ -180,8 +171,6 @@ class LogConfig:
     wandb_mode: Literal["offline", "online"] = "offline"
     run_name: str | None = None
     checkpoint_every: int = _f(0, ge=0)  # steps between checkpoints (DIR/checkpoint); 0: never
-    export_every: int = _f(0, ge=0)  # steps between Hugging Face exports (DIR/hf/step_N); 0: none during the run
-    export_final: bool = True  # DIR/hf/step_N of the last step at the end of the run
 
 
 SECTIONS: dict[str, type] = {
@@ -216,7 +205,7 @@ class RunConfig:
 
     def check_paths(self) -> None:
         """The local files this run reads exist: `model.path` (a Hugging Face folder) and the data files named
-        in `task.options` (`*path` keys). Separate from validation so that a dry run can read configs whose
+        in `task.options` (`*path` keys) and `eval.sets`. Separate from validation so that a dry run can read configs whose
         files live on another machine; every entry point that starts work calls it first."""
         m = self.model
         if m.path is not None:
@@ -234,6 +223,13 @@ class RunConfig:
                 raise ConfigError(
                     f"task.options.{key}: data file {value} does not exist; give the path of a local JSONL or "
                     "parquet file (tools/prepare_data.py converts the published layouts)"
+                )
+        for name, spec in (getattr(self.eval, "sets", None) or {}).items():
+            path = spec.get("path") if isinstance(spec, dict) else spec
+            if isinstance(path, str) and not Path(path).expanduser().is_file():
+                raise ConfigError(
+                    f"eval.sets.{name}: data file {path} does not exist; give the path of a local JSONL or parquet "
+                    "file (tools/prepare_data.py converts the published layouts)"
                 )
 
     @classmethod
@@ -275,7 +271,6 @@ class RunConfig:
                 get_task(self.task.name, **self.task.options)
             except (ValueError, FileNotFoundError) as e:
                 raise ConfigError(f"task.options: {e}") from None
-        self._check_reward_and_eval(check_task)
         if m.task == "auto":
             m.task = self.task.name if (m.path is None and self.task.name in synthetic_task_names()) else None
         elif m.task is not None and m.task not in synthetic_task_names():
@@ -346,33 +341,6 @@ class RunConfig:
                 f"cluster.rollout_gpus: disaggregated needs GPUs for both sides, 0 < rollout_gpus < "
                 f"nodes*gpus_per_node = {c.gpus}, got {c.rollout_gpus}"
             )
-
-    def _check_reward_and_eval(self, check_task: bool) -> None:
-        """task.reward imports, the chat template the tokenizer must have, eval.sets' entries; with
-        `check_task`, also the reward function and the sets' files (both are read, like the task's data)."""
-        from rollverify.evaluate import load_eval_sets, parse_eval_sets
-        from rollverify.tasks.chat import has_chat_template
-        from rollverify.tasks.reward import load_reward
-
-        if self.task.reward is not None and check_task:
-            try:
-                load_reward(self.task.reward)
-            except ValueError as e:
-                raise ConfigError(f"task.reward: {e}") from None
-        m = self.model
-        if self.task.options.get("chat_template") is True and not (
-            m.path is not None and (not Path(m.path).is_dir() or has_chat_template(m.path))
-        ):
-            raise ConfigError(
-                f"task.options.chat_template: true, but the tokenizer of "
-                f"{m.path or 'the tiny model'} has no chat template; set it to auto or false"
-            )
-        try:
-            specs = parse_eval_sets(self.eval.sets)
-            if check_task:
-                load_eval_sets(specs)
-        except (ValueError, FileNotFoundError) as e:
-            raise ConfigError(f"eval.sets: {e}") from None
 
 
 def _suggest(key: str, allowed: list[str]) -> str:
