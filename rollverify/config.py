@@ -72,6 +72,9 @@ class TaskConfig:
 
     name: str = "countdown"  # a registered task: countdown, countdown_short, math
     options: dict[str, Any] = _f(factory=dict)  # task arguments, e.g. {train_path: data/dapo.parquet}
+    # A reward function instead of the task's own: module:function or path/to/file.py:function, called as
+    # fn(prompt, response, label) -> float (rollverify.tasks.reward)
+    reward: str | None = None
 
 
 @dataclass
@@ -153,11 +156,17 @@ class ClusterConfig:
 
 @dataclass
 class EvalConfig:
-    """Held-out reward, sampled with the current policy."""
+    """Evaluation with the current policy (`rollverify.evaluate`): the task's held-out split, or named sets."""
 
     every: int = _f(10, ge=0)  # steps between evaluations (and at the last step); 0: never
-    n_prompts: int = _f(64, ge=1)
+    n_prompts: int = _f(64, ge=1)  # prompts of the held-out split; sets are evaluated whole
+    # Benchmark files in the project's layout (tools/prepare_data.py), by name: {aime24: data/aime24.parquet,
+    # math500: {path: data/math500.jsonl, prompt_key: problem, label_key: answer}}; empty: the held-out split
+    sets: dict[str, Any] = _f(factory=dict)
+    n_samples: int = _f(1, ge=1)  # k responses per prompt: eval/<set>/avg@k and pass@k
     temperature: float = _f(1.0, gt=0.0)
+    max_new_tokens: int | None = _f(None, ge=1)  # null: rollout.max_new_tokens
+    solved_at: float = 1.0  # a response whose reward is >= this counts as solved for pass@k
 
 
 @dataclass
@@ -171,6 +180,8 @@ class LogConfig:
     wandb_mode: Literal["offline", "online"] = "offline"
     run_name: str | None = None
     checkpoint_every: int = _f(0, ge=0)  # steps between checkpoints (DIR/checkpoint); 0: never
+    export_every: int = _f(0, ge=0)  # steps between Hugging Face exports (DIR/hf/step_N); 0: none during the run
+    export_final: bool = True  # DIR/hf/step_N of the last step at the end of the run
 
 
 SECTIONS: dict[str, type] = {
@@ -271,6 +282,7 @@ class RunConfig:
                 get_task(self.task.name, **self.task.options)
             except (ValueError, FileNotFoundError) as e:
                 raise ConfigError(f"task.options: {e}") from None
+        self._check_reward_and_eval(check_task)
         if m.task == "auto":
             m.task = self.task.name if (m.path is None and self.task.name in synthetic_task_names()) else None
         elif m.task is not None and m.task not in synthetic_task_names():
@@ -341,6 +353,33 @@ class RunConfig:
                 f"cluster.rollout_gpus: disaggregated needs GPUs for both sides, 0 < rollout_gpus < "
                 f"nodes*gpus_per_node = {c.gpus}, got {c.rollout_gpus}"
             )
+
+    def _check_reward_and_eval(self, check_task: bool) -> None:
+        """task.reward imports, the chat template the tokenizer must have, eval.sets' entries; with
+        `check_task`, also the reward function and the sets' files (both are read, like the task's data)."""
+        from rollverify.evaluate import load_eval_sets, parse_eval_sets
+        from rollverify.tasks.chat import has_chat_template
+        from rollverify.tasks.reward import load_reward
+
+        if self.task.reward is not None and check_task:
+            try:
+                load_reward(self.task.reward)
+            except ValueError as e:
+                raise ConfigError(f"task.reward: {e}") from None
+        m = self.model
+        if self.task.options.get("chat_template") is True and not (
+            m.path is not None and (not Path(m.path).is_dir() or has_chat_template(m.path))
+        ):
+            raise ConfigError(
+                f"task.options.chat_template: true, but the tokenizer of "
+                f"{m.path or 'the tiny model'} has no chat template; set it to auto or false"
+            )
+        try:
+            specs = parse_eval_sets(self.eval.sets)
+            if check_task:
+                load_eval_sets(specs)
+        except (ValueError, FileNotFoundError) as e:
+            raise ConfigError(f"eval.sets: {e}") from None
 
 
 def _suggest(key: str, allowed: list[str]) -> str:
