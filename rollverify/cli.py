@@ -79,6 +79,18 @@ def _demo(argv: list[str]) -> int:
     return cli_main(argv)
 
 
+def _eval(argv: list[str]) -> int:
+    from rollverify.evaluate import cli_main
+
+    return cli_main(argv)
+
+
+def _export(argv: list[str]) -> int:
+    from rollverify.export import cli_main
+
+    return cli_main(argv)
+
+
 def _plan(argv: list[str]) -> int:
     from rollverify.plan import cli_main
 
@@ -88,6 +100,8 @@ def _plan(argv: list[str]) -> int:
 COMMANDS: dict[str, Command] = {
     "demo": Command(_demo, "on-policy GRPO vs RollVerify side by side on the tiny CPU model (what `make demo` runs)"),
     "train": Command(_train, "run RL training from a config into a run folder (new, --resume or --overwrite)"),
+    "eval": Command(_eval, "evaluate a Hugging Face checkpoint on the config's eval sets (avg@k, pass@k per set)"),
+    "export": Command(_export, "write a run's checkpoint as a Hugging Face model folder"),
     "serve": Command(_serve, "start one SGLang rollout server with RollVerify's control channel"),
     "plan": Command(_plan, "dry run: where each trainer rank and server goes and its memory per GPU; no GPU needed"),
     "make-tiny-model": Command(_make_tiny_model, "write a tiny Qwen3 / Qwen3-MoE model folder, made offline"),

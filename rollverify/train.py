@@ -14,16 +14,17 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-import numpy as np
-
 from rollverify import rundir
 from rollverify.buffer import RolloutBuffer
 from rollverify.config import RunConfig, load_config
 from rollverify.console import Progress, quiet_cpu_warnings, say, stage
-from rollverify.interfaces import SamplingParams
+from rollverify.evaluate import build_evaluator
+from rollverify.export import export_dir, export_trainer
 from rollverify.loop import Loop, LoopConfig
 from rollverify.metrics import MetricsWriter
 from rollverify.tasks import get_task
+from rollverify.tasks.chat import PromptRenderer
+from rollverify.tasks.reward import task_reward
 from rollverify.types import Group, Response
 
 CKPT = rundir.CHECKPOINT
@@ -42,6 +43,48 @@ def resolve_model(cfg: RunConfig) -> Path:
     return path
 
 
+def trainer_config(cfg: RunConfig):
+    """The Megatron trainer's settings (`megatron_bridge.trainer.TrainerConfig`) of a run config."""
+    from megatron_bridge.trainer import LossConfig, TrainerConfig
+
+    t = cfg.trainer
+    return TrainerConfig(
+        tp=t.tp,
+        ep=t.ep,
+        pp=t.pp,
+        lr=t.lr,
+        min_lr=t.min_lr,
+        lr_warmup_steps=t.lr_warmup_steps,
+        lr_decay_style=t.lr_decay_style,
+        lr_decay_steps=max(1, t.steps),
+        weight_decay=t.weight_decay,
+        clip_grad=t.grad_clip,
+        micro_batch_tokens=t.micro_batch_tokens,
+        replay_verify=t.replay_verify,
+        replay_train=t.replay_train,
+        temperature=cfg.rollout.temperature,
+        dtype=cfg.model.dtype,
+        seed=cfg.seed,
+        loss=LossConfig(
+            kind=t.loss_kind,
+            eps_low=t.eps_low,
+            eps_high=t.eps_high,
+            dual_clip_c=t.dual_clip_c,
+            tis_cap=t.tis_cap,
+            use_tis=t.use_tis,
+            gspo_eps_low=t.gspo_eps_low,
+            gspo_eps_high=t.gspo_eps_high,
+            sapo_tau_pos=t.sapo_tau_pos,
+            sapo_tau_neg=t.sapo_tau_neg,
+            vespo_c1_pos=t.vespo_c1_pos,
+            vespo_c2_pos=t.vespo_c2_pos,
+            vespo_c1_neg=t.vespo_c1_neg,
+            vespo_c2_neg=t.vespo_c2_neg,
+            agg_mode=t.loss_agg_mode,
+        ),
+    )
+
+
 class Run:
     """Everything one training run holds; `close` releases servers and trainer ranks."""
 
@@ -52,6 +95,9 @@ class Run:
         self.model_path = resolve_model(cfg)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.task = get_task(cfg.task.name, **cfg.task.options)
+        self.render = PromptRenderer(self.tokenizer, self.task.chat_template, source=self.model_path)
+        self.score = task_reward(self.task, cfg.task.reward)
+        self.evaluator = build_evaluator(cfg, self.task, self.tokenizer, self.score) if cfg.eval.every else None
         self.engine = self._start_engine()
         try:
             with stage("trainer") as st:
@@ -118,73 +164,30 @@ class Run:
     def _start_trainer(self):
         from megatron_bridge.loop_adapter import LoopTrainer
         from megatron_bridge.spawned import make_trainer
-        from megatron_bridge.trainer import LossConfig, TrainerConfig
 
-        t = self.cfg.trainer
-        tcfg = TrainerConfig(
-            tp=t.tp,
-            ep=t.ep,
-            pp=t.pp,
-            lr=t.lr,
-            min_lr=t.min_lr,
-            lr_warmup_steps=t.lr_warmup_steps,
-            lr_decay_style=t.lr_decay_style,
-            lr_decay_steps=max(1, t.steps),
-            weight_decay=t.weight_decay,
-            clip_grad=t.grad_clip,
-            micro_batch_tokens=t.micro_batch_tokens,
-            replay_verify=t.replay_verify,
-            replay_train=t.replay_train,
-            temperature=self.cfg.rollout.temperature,
-            dtype=self.cfg.model.dtype,
-            seed=self.cfg.seed,
-            loss=LossConfig(
-                kind=t.loss_kind,
-                eps_low=t.eps_low,
-                eps_high=t.eps_high,
-                dual_clip_c=t.dual_clip_c,
-                tis_cap=t.tis_cap,
-                use_tis=t.use_tis,
-                gspo_eps_low=t.gspo_eps_low,
-                gspo_eps_high=t.gspo_eps_high,
-                sapo_tau_pos=t.sapo_tau_pos,
-                sapo_tau_neg=t.sapo_tau_neg,
-                vespo_c1_pos=t.vespo_c1_pos,
-                vespo_c2_pos=t.vespo_c2_pos,
-                vespo_c1_neg=t.vespo_c1_neg,
-                vespo_c2_neg=t.vespo_c2_neg,
-                agg_mode=t.loss_agg_mode,
-            ),
-        )
-        return LoopTrainer(make_trainer(self.model_path, tcfg, world_size=t.world_size))
+        tcfg = trainer_config(self.cfg)
+        return LoopTrainer(make_trainer(self.model_path, tcfg, world_size=self.cfg.trainer.world_size))
 
     def make_group(self, group_id: int) -> Group:
         while len(self._train_examples) <= group_id:  # group ids index the task's train stream
             self._train_examples.append(next(self._stream))
         ex = self._train_examples[group_id]
-        prompt = self.tokenizer(ex.prompt, add_special_tokens=False)["input_ids"]
+        prompt = self.render.ids(ex)
         r = self.cfg.rollout
         return Group.new(group_id, prompt, r.n, r.max_new_tokens, uid=ex.uid, prompt=ex.prompt, label=ex.label)
 
     def reward(self, group: Group, response: Response) -> float:
         text = self.tokenizer.decode(response.token_ids.tolist(), skip_special_tokens=False)
-        return float(self.task.reward(group.metadata["prompt"], text, group.metadata["label"]))
+        return float(self.score(group.metadata["prompt"], text, group.metadata["label"]))
 
-    def evaluate(self) -> float:
-        """Mean reward on the held-out split, sampled at the rollout temperature with the current weights."""
-        e = self.cfg.eval
-        examples = self.task.examples("eval", e.n_prompts, seed=self.cfg.seed)
-        prompts = [np.asarray(self.tokenizer(x.prompt, add_special_tokens=False)["input_ids"], np.int32)
-                   for x in examples]
-        outs = self.engine.generate(
-            prompts, self.cfg.rollout.max_new_tokens, SamplingParams(temperature=e.temperature),
-            tag=f"eval{self.loop.step}",
-        )
-        scores = [
-            self.task.reward(x.prompt, self.tokenizer.decode(o.tolist(), skip_special_tokens=False), x.label)
-            for x, o in zip(examples, outs, strict=True)
-        ]
-        return float(np.mean(scores)) if scores else float("nan")
+    def evaluate(self) -> dict[str, float]:
+        """avg@k and pass@k of every eval set and `eval_reward`, sampled with the current weights."""
+        assert self.evaluator is not None, "eval.every is 0"
+        return self.evaluator.run(self.engine, tag=f"eval{self.loop.step}")
+
+    def export(self) -> Path:
+        """The current policy as a Hugging Face folder DIR/hf/step_N."""
+        return export_trainer(self.trainer.trainer, self.model_path, export_dir(self.out, self.loop.step))
 
     # --- checkpoints --------------------------------------------------------------------------------------
 
@@ -256,10 +259,13 @@ def train(
         while run.loop.step < cfg.trainer.steps:
             metrics = run.loop.run_step().metrics
             if cfg.eval.every and (run.loop.step % cfg.eval.every == 0 or run.loop.step == cfg.trainer.steps):
-                metrics["eval_reward"] = run.evaluate()
+                metrics.update(run.evaluate())
             writer.write(metrics)
             if cfg.log.checkpoint_every and run.loop.step % cfg.log.checkpoint_every == 0:
                 run.save()
+            last = run.loop.step == cfg.trainer.steps
+            if (cfg.log.export_every and run.loop.step % cfg.log.export_every == 0) or (last and cfg.log.export_final):
+                run.export()
             if shown is not None:
                 shown.update(metrics)
         if shown is not None:
