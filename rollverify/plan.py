@@ -94,34 +94,36 @@ def model_arch(cfg: RunConfig) -> ModelArch:
     from megatron_bridge.model import ModelArch, UnsupportedCheckpoint
 
     m = cfg.model
-    try:
-        if m.path is None:
-            from rollverify.tiny_model import TinyModelSpec, hf_config
+    if m.path is None:
+        from rollverify.tiny_model import TinyModelSpec, hf_config
 
-            spec = TinyModelSpec(**m.tiny_spec())
-            arch_name = "Qwen3MoeForCausalLM" if spec.moe else "Qwen3ForCausalLM"
-            return ModelArch.from_hf_config({**hf_config(spec).to_dict(), "architectures": [arch_name]})
-        stated = None
-        if m.arch is not None:
+        spec = TinyModelSpec(**m.tiny_spec())
+        arch_name = "Qwen3MoeForCausalLM" if spec.moe else "Qwen3ForCausalLM"
+        return ModelArch.from_hf_config({**hf_config(spec).to_dict(), "architectures": [arch_name]})
+    stated = None
+    if m.arch is not None:
+        try:
             stated = ModelArch.from_hf_config(ARCH_PRESETS[m.arch] if isinstance(m.arch, str) else m.arch)
-        if (Path(m.path) / "config.json").is_file():
-            found = ModelArch.from_hf_dir(m.path)
-            if stated is not None and _dims(stated) != _dims(found):
-                raise PlanError(
-                    f"model.arch {_dims(stated)} differs from {m.path}/config.json {_dims(found)}: "
-                    "drop model.arch or fix it"
-                )
-            return found
-        if stated is None:
+        except (UnsupportedCheckpoint, KeyError, TypeError) as e:
+            raise PlanError(f"model.arch: not a usable architecture ({type(e).__name__}: {e})") from None
+    folder = Path(m.path).expanduser()
+    if (folder / "config.json").is_file():
+        try:
+            found = ModelArch.from_hf_dir(folder)
+        except (UnsupportedCheckpoint, KeyError, ValueError) as e:
+            raise PlanError(f"model.path: {folder}/config.json: {e}") from None
+        if stated is not None and _dims(stated) != _dims(found):
             raise PlanError(
-                f"model.path {m.path} has no config.json on this machine: set model.arch to "
-                f"{' or '.join(ARCH_PRESETS)} or to the fields of the model's config.json"
+                f"model.arch {_dims(stated)} differs from {folder}/config.json {_dims(found)}: drop model.arch "
+                "or fix it"
             )
-        return stated
-    except (UnsupportedCheckpoint, KeyError, TypeError) as e:
-        if isinstance(e, PlanError):
-            raise
-        raise PlanError(f"model.arch: not a usable architecture ({type(e).__name__}: {e})") from None
+        return found
+    if stated is None:
+        raise PlanError(
+            f"model.path {m.path} has no config.json on this machine: set model.arch to "
+            f"{' or '.join(ARCH_PRESETS)} or to the fields of the model's config.json"
+        )
+    return stated
 
 
 def _dims(a: ModelArch) -> tuple:

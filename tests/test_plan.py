@@ -150,6 +150,8 @@ def test_architecture_sources(tmp_path):
     dims = {**ARCH_PRESETS["qwen3-8b"], "num_hidden_layers": 4}
     explicit = plan_of("qwen3_8b_base", "model.arch=" + json.dumps(dims))
     assert explicit.arch.num_layers == 4 and explicit.arch.hidden_size == 4096
+    with pytest.raises(PlanError, match=r"model\.arch: not a usable architecture .*LlamaForCausalLM"):
+        plan_of("qwen3_8b_base", 'model.arch={"architectures": ["LlamaForCausalLM"]}')
 
 
 def test_cluster_keys_that_contradict_each_other():
