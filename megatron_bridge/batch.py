@@ -5,7 +5,7 @@ never an input (nothing is predicted from it), and that is exactly the span whos
 (SGLang's routed experts are `[P + G - 1, moe_layers, top_k]`). Generated token j is predicted at position
 `P - 1 + j` of its sequence. Micro-batches are greedy runs of whole sequences up to a token budget (a longer
 sequence gets a micro-batch of its own), in batch order, so results come back in batch order without a sort;
-inside a micro-batch the sequences are packed into rows of at most `row_tokens` (see `model.PackedBatch`).
+inside a micro-batch the sequences are packed end to end (THD, see `model.PackedSequences`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from megatron_bridge.model import PackedBatch
+from megatron_bridge.model import PackedSequences
 
 
 @dataclass
@@ -48,9 +48,9 @@ class TrainSequence:
 
 @dataclass
 class MicroBatch:
-    packed: PackedBatch
+    packed: PackedSequences
     seq_index: list[int]  # batch indices of the sequences in this micro-batch
-    gen_rows: torch.Tensor  # [N] indices into the flattened [B*S] logits that predict generated tokens
+    gen_rows: torch.Tensor  # [N] indices into the packed [T] tokens whose outputs predict generated tokens
     gen_targets: torch.Tensor  # [N] the generated tokens
     gen_counts: list[int]  # per sequence
     routes: list[torch.Tensor] | None = None  # per MoE layer [S, top_k] (filled by replay.attach)
@@ -75,10 +75,9 @@ def plan_micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
     return groups
 
 
-def make_micro_batch(seqs: list[TrainSequence], index: list[int], pad_to_multiple: int = 1,
-                     row_tokens: int | None = None) -> MicroBatch:
+def make_micro_batch(seqs: list[TrainSequence], index: list[int], pad_to_multiple: int = 1) -> MicroBatch:
     inputs = [torch.from_numpy(np.concatenate([seqs[i].prompt_ids, seqs[i].gen_ids])[:-1]) for i in index]
-    packed = PackedBatch.pack(inputs, pad_to_multiple, row_tokens)
+    packed = PackedSequences.pack(inputs, pad_to_multiple)
     rows, targets, counts = [], [], []
     for k, i in enumerate(index):
         s = seqs[i]

@@ -2,9 +2,10 @@
 
 `ModelArch` is read from the checkpoint's config.json (no weights touched) and is the single source of the
 architecture; `build_model` maps it onto a TransformerConfig with the local (non-TransformerEngine) layer spec,
-which runs on CPU and GPU alike. `packed_forward` runs one micro-batch of several variable-length sequences
-packed into one row: a block-diagonal causal mask keeps the sequences apart and RoPE takes each token's
-position inside its own sequence, so every sequence sees exactly what it would see alone (as in the engine).
+whose core attention is swapped for `attention.PackedCoreAttention` (linear memory in the sequence length; CPU
+and GPU alike). `packed_forward` runs one micro-batch of several variable-length sequences packed end to end
+(THD, `cu_seqlens`): attention stays inside each sequence and RoPE restarts at each, so every sequence sees
+exactly what it would see alone (as in the engine).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
@@ -104,6 +106,25 @@ class ModelArch:
         return self.num_layers if self.moe else 0
 
 
+def check_layout(arch: ModelArch, *, tp: int = 1, ep: int = 1, pp: int = 1) -> None:
+    """Refuse a parallel layout this model cannot be split into, naming every number that does not divide."""
+    problems = []
+    if arch.vocab_size % tp:
+        problems.append(f"vocab_size {arch.vocab_size} is not divisible by tp={tp}")
+    if arch.num_heads % tp or arch.num_kv_heads % tp:
+        problems.append(f"attention heads {arch.num_heads} / key-value heads {arch.num_kv_heads} are not both "
+                        f"divisible by tp={tp}")
+    if arch.moe and arch.num_experts % ep:
+        problems.append(f"num_experts {arch.num_experts} is not divisible by ep={ep}")
+    if not arch.moe and ep > 1:
+        problems.append(f"ep={ep} needs a MoE model ({arch.architecture} has no experts)")
+    if arch.num_layers % pp:
+        problems.append(f"num_layers {arch.num_layers} is not divisible by pp={pp}")
+    if problems:
+        raise UnsupportedCheckpoint(f"parallel layout tp={tp} ep={ep} pp={pp} cannot split this "
+                                    f"{arch.architecture}: " + "; ".join(problems))
+
+
 def transformer_config(arch: ModelArch, *, tp: int = 1, ep: int = 1, pp: int = 1, etp: int = 1,
                        sequence_parallel: bool = False, dtype: torch.dtype = torch.float32,
                        routing_replay: bool = True, dispatcher: str = "alltoall", init_weights: bool = False):
@@ -111,14 +132,7 @@ def transformer_config(arch: ModelArch, *, tp: int = 1, ep: int = 1, pp: int = 1
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
-    if arch.vocab_size % tp:
-        raise UnsupportedCheckpoint(f"vocab_size {arch.vocab_size} is not divisible by tp={tp}")
-    if arch.num_kv_heads % tp or arch.num_heads % tp:
-        raise UnsupportedCheckpoint(f"heads {arch.num_heads}/{arch.num_kv_heads} not divisible by tp={tp}")
-    if arch.moe and arch.num_experts % ep:
-        raise UnsupportedCheckpoint(f"num_experts {arch.num_experts} not divisible by ep={ep}")
-    if arch.num_layers % pp:
-        raise UnsupportedCheckpoint(f"num_layers {arch.num_layers} not divisible by pp={pp}")
+    check_layout(arch, tp=tp, ep=ep, pp=pp)
     kw = dict(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -173,36 +187,14 @@ def transformer_config(arch: ModelArch, *, tp: int = 1, ep: int = 1, pp: int = 1
     return TransformerConfig(**kw)
 
 
-class PackedRotary(torch.nn.Module):
-    """RoPE by each token's own position (packed rows), delegating everything else to Megatron's module.
-
-    Megatron-Core's 'rope' uses positions 0..S-1 of the row; for a packed row that would shift every sequence
-    but the first, which is exact in theory (RoPE is relative) but not in fp32 at large offsets. Setting
-    `position_ids` ([B, S]) before a forward makes the embeddings the per-token ones ([S, B, 1, dim]) instead.
-    """
-
-    def __init__(self, base: torch.nn.Module) -> None:
-        super().__init__()
-        self.base = base
-        self.position_ids: torch.Tensor | None = None
-
-    def get_rotary_seq_len(self, *args, **kwargs) -> int:
-        return self.base.get_rotary_seq_len(*args, **kwargs)
-
-    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None):
-        if self.position_ids is None:
-            return self.base(max_seq_len, offset, packed_seq, cp_group)
-        pos = self.position_ids.view(-1, self.position_ids.shape[-1])  # [B, S]
-        emb = self.base.get_emb(int(pos.max()) + 1)[:, 0, 0]  # [P, dim]
-        return emb[pos.t().to(emb.device)].unsqueeze(2)  # [S, B, 1, dim], broadcast over heads
-
-
 def build_model(arch: ModelArch, config, *, pre_process: bool | None = None, post_process: bool | None = None):
     """A GPTModel with the local layer spec for `arch` on this rank's pipeline stage (weights uninitialised)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    from megatron_bridge.attention import PackedCoreAttention
 
     # RouterReplay keeps a process-wide list of instances in construction order; a new model starts afresh.
     RouterReplay.clear_global_router_replay_instances()
@@ -212,6 +204,7 @@ def build_model(arch: ModelArch, config, *, pre_process: bool | None = None, pos
         qk_layernorm=True,
         normalization="RMSNorm",
     )
+    spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage()
     if post_process is None:
@@ -230,8 +223,6 @@ def build_model(arch: ModelArch, config, *, pre_process: bool | None = None, pos
     )
     if not config.perform_initialization:
         mark_tensor_parallel(model)
-    if getattr(model, "rotary_pos_emb", None) is not None:
-        model.rotary_pos_emb = PackedRotary(model.rotary_pos_emb)
     if torch.cuda.is_available() and not _cpu_only():
         model.cuda(torch.cuda.current_device())
     return model
@@ -266,44 +257,35 @@ def _cpu_only() -> bool:
 
 
 @dataclass
-class PackedBatch:
-    """Variable-length sequences packed end to end into B rows of S tokens (a sequence never splits).
+class PackedSequences:
+    """Variable-length sequences packed end to end into one row of T tokens (THD layout).
 
-    Rows bound the dense attention of the local spec (its cost grows with S^2, not with the sequences'
-    lengths): sequences fill a row in order until `row_tokens`, a longer sequence gets a row of its own, and
-    rows are padded to a common S with padding that attends only to itself.
+    `cu_seqlens` delimits the sequences; attention (`attention.PackedCoreAttention`) is causal inside each and
+    nothing crosses a boundary, and RoPE restarts at 0 for each (Megatron-Core's THD RoPE path), so every
+    sequence sees exactly what it would see alone. Padding to a multiple (for sequence parallelism) is one
+    more segment at the end. Nothing here is quadratic in T.
     """
 
-    input_ids: torch.Tensor  # [B, S] int64
-    position_ids: torch.Tensor  # [B, S] int64: position inside its own sequence
-    seq_index: torch.Tensor  # [B, S] int64: which sequence (in pack order), -1 on padding
-    lengths: list[int]
-    places: list[tuple[int, int]]  # per sequence: (row, start column)
+    input_ids: torch.Tensor  # [1, T] int64
+    position_ids: torch.Tensor  # [1, T] int64: position inside its own sequence
+    cu_seqlens: torch.Tensor  # [n + 1 (+1 with padding)] int32: segment boundaries, padding included
+    lengths: list[int]  # the n real sequences
+    places: list[tuple[int, int]]  # per sequence: (row = 0, start column)
 
     @staticmethod
-    def pack(sequences: list[torch.Tensor], pad_to_multiple: int = 1, row_tokens: int | None = None) -> PackedBatch:
+    def pack(sequences: list[torch.Tensor], pad_to_multiple: int = 1) -> PackedSequences:
         lengths = [int(x.numel()) for x in sequences]
-        cap = max([row_tokens or sum(lengths), *lengths, 1])
-        places, row, used = [], 0, 0
-        for n in lengths:
-            if used and used + n > cap:
-                row, used = row + 1, 0
-            places.append((row, used))
-            used += n
-        rows = row + 1
-        width = max([1] + [st + n for (_, st), n in zip(places, lengths, strict=True)])
-        width += (-width) % pad_to_multiple
-        ids = torch.zeros(rows, width, dtype=torch.long)
-        pos = torch.arange(width).repeat(rows, 1)
-        idx = torch.full((rows, width), -1, dtype=torch.long)
-        for i, (x, (r, st), n) in enumerate(zip(sequences, places, lengths, strict=True)):
-            ids[r, st:st + n] = x.long().view(-1)
-            pos[r, st:st + n] = torch.arange(n)
-            idx[r, st:st + n] = i
-        for r in range(rows):  # padding positions count from 0 after the row's last sequence
-            pad = idx[r] < 0
-            pos[r, pad] = torch.arange(int(pad.sum()))
-        return PackedBatch(ids, pos, idx, lengths, places)
+        if not lengths or min(lengths) < 1:
+            raise ValueError(f"packing needs >= 1 sequence of >= 1 token, got lengths {lengths}")
+        starts = np.cumsum([0, *lengths]).tolist()
+        total = starts[-1]
+        pad = (-total) % pad_to_multiple
+        bounds = starts + ([total + pad] if pad else [])
+        ids = torch.zeros(1, total + pad, dtype=torch.long)
+        ids[0, :total] = torch.cat([x.long().view(-1) for x in sequences])
+        pos = torch.cat([torch.arange(b - a) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]).view(1, -1)
+        return PackedSequences(ids, pos, torch.tensor(bounds, dtype=torch.int32), lengths,
+                               [(0, st) for st in starts[:-1]])
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -312,33 +294,25 @@ class PackedBatch:
     def num_tokens(self) -> int:
         return self.input_ids.numel()
 
-    def attention_mask(self) -> torch.Tensor:
-        """[B, 1, S, S] bool, True = masked: causal inside each sequence, nothing across (padding apart)."""
-        b, s = self.input_ids.shape
-        seg = self.seq_index.clone()
-        seg[seg < 0] = len(self.lengths)  # padding forms one more causal segment
-        same = seg.unsqueeze(2) == seg.unsqueeze(1)
-        causal = torch.ones(s, s, dtype=torch.bool).tril_()
-        return ~(same & causal).view(b, 1, s, s)
+    def seq_params(self, device: torch.device | str = "cpu"):
+        """Megatron-Core's `PackedSeqParams` for this pack (THD, self-attention)."""
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu = self.cu_seqlens.to(device)
+        longest = int((self.cu_seqlens[1:] - self.cu_seqlens[:-1]).max())
+        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                               max_seqlen_kv=longest)
 
     def flat_rows(self, i: int, offset: int, count: int) -> torch.Tensor:
-        """Indices into the [B*S] (row-major) flattening of tokens offset..offset+count-1 of sequence i."""
-        r, st = self.places[i]
-        return r * self.input_ids.shape[1] + st + offset + torch.arange(count)
+        """Indices into the flattened [T] tokens of tokens offset..offset+count-1 of sequence i."""
+        return self.places[i][1] + offset + torch.arange(count)
 
 
-def packed_forward(model, batch: PackedBatch, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Logits [B, S, vocab/tp] of the packed rows (this TP rank's vocab slice)."""
-    inner = unwrap(model)
-    rotary = getattr(inner, "rotary_pos_emb", None)
-    if isinstance(rotary, PackedRotary):
-        rotary.position_ids = batch.position_ids.to(device)
-    try:
-        return model(input_ids=batch.input_ids.to(device), position_ids=batch.position_ids.to(device),
-                     attention_mask=batch.attention_mask().to(device))
-    finally:
-        if isinstance(rotary, PackedRotary):
-            rotary.position_ids = None
+def packed_forward(model, batch: PackedSequences, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The model's output [1, T, ...] for a pack: logits [1, T, vocab/tp] (this TP rank's vocab slice), or
+    hidden states [1, T, hidden] when the output layer is deferred (`logprobs.defer_output_layer`)."""
+    return model(input_ids=batch.input_ids.to(device), position_ids=batch.position_ids.to(device),
+                 attention_mask=None, packed_seq_params=batch.seq_params(device))
 
 
 def unwrap(model):

@@ -33,8 +33,15 @@ from megatron_bridge.batch import (
     plan_micro_batches,
     split_for_data_parallel,
 )
-from megatron_bridge.logprobs import vocab_parallel_logprob_entropy
-from megatron_bridge.model import UnsupportedCheckpoint, build_model, transformer_config, unwrap
+from megatron_bridge.logprobs import chunked_logprob_entropy, defer_output_layer, output_weight
+from megatron_bridge.model import (
+    UnsupportedCheckpoint,
+    build_model,
+    check_layout,
+    packed_forward,
+    transformer_config,
+    unwrap,
+)
 from megatron_bridge.parallel import ParallelConfig, init_parallel, use_cpu
 
 
@@ -77,7 +84,8 @@ class TrainerConfig:
     clip_grad: float = 1.0
     optimizer: str = "adam"  # adam | sgd
     micro_batch_tokens: int = 4096
-    row_tokens: int = 1024  # packed row length cap (local-spec attention is dense over a row); 0: one row
+    logprob_chunk_tokens: int = 1024  # rows of [tokens x vocab/tp] logits alive at once (logprobs.py)
+    max_seq_len: int = 0  # longest sequence (prompt + generated - 1 inputs) accepted; 0: the model's context
     replay_verify: bool = False  # see megatron_bridge.replay for why free routing verifies
     replay_train: bool = True  # R3 for the old-log-prob recompute and the training forward
     temperature: float = 1.0
@@ -146,6 +154,10 @@ class MegatronTrainer:
         if cfg.optimizer != "adam" and cfg.use_distributed_optimizer:
             raise ValueError("Megatron-Core's distributed optimizer supports Adam only: set "
                              "use_distributed_optimizer=False for optimizer='sgd'")
+        check_layout(self.arch, tp=cfg.tp, ep=cfg.ep, pp=cfg.pp)
+        if cfg.max_seq_len < 0 or cfg.logprob_chunk_tokens < 1:
+            raise ValueError(f"max_seq_len must be >= 0 (0: the model's context) and logprob_chunk_tokens >= 1; "
+                             f"got {cfg.max_seq_len} and {cfg.logprob_chunk_tokens}")
         self.pcfg = ParallelConfig(tp=cfg.tp, ep=cfg.ep, pp=cfg.pp)
         init_parallel(self.pcfg, device=self.device.type, seed=cfg.seed)
         from megatron.core import parallel_state as ps
@@ -160,6 +172,7 @@ class MegatronTrainer:
         if self.device.type == "cuda":
             model.cuda(torch.cuda.current_device())
         convert.load_hf_checkpoint(model, self.model_path, self.arch, self.layout)
+        defer_output_layer(model)
         self.model = self._wrap(model)
         self.optimizer, self.scheduler = self._make_optimizer()
         self.step_count = 0
@@ -223,12 +236,6 @@ class MegatronTrainer:
         mine = plans[self.dp_rank]
         return mine + [[] for _ in range(n - len(mine))]
 
-    def _row_tokens(self) -> int | None:
-        # PP sends [S, B, H] between stages with a fixed B: one row per micro-batch keeps B = 1
-        if self.cfg.pp > 1 or self.cfg.row_tokens <= 0:
-            return None
-        return self.cfg.row_tokens
-
     _DUMMY = TrainSequence(prompt_ids=np.zeros(1, np.int64), gen_ids=np.zeros(1, np.int64))
 
     def _micro_batch(self, seqs: list[TrainSequence], index: list[int], use_replay: bool) -> MicroBatch:
@@ -239,30 +246,19 @@ class MegatronTrainer:
             if use_replay:
                 mb.routes = [torch.arange(self.arch.top_k).view(1, -1) for _ in range(self.arch.num_layers)]
             return mb
-        mb = make_micro_batch(seqs, index, row_tokens=self._row_tokens())
+        mb = make_micro_batch(seqs, index)
         if use_replay:
             replay.attach_routes(mb, seqs, self.arch.num_layers, self.arch.top_k, self.arch.num_experts)
         return mb
 
     def _forward_step(self, loss_of_mb: Callable[[MicroBatch, torch.Tensor], tuple]):
         """A Megatron forward_step_func over an iterator of MicroBatch."""
-        from megatron_bridge.model import PackedRotary
-
         dev = self.device
 
         def step(data_iterator, model):
             mb: MicroBatch = next(data_iterator)
-            inner = unwrap(model)
-            rot = getattr(inner, "rotary_pos_emb", None)
-            if isinstance(rot, PackedRotary):
-                rot.position_ids = mb.packed.position_ids.to(dev)
-            try:
-                with replay.replaying(mb.routes, self._moe_layer_offset, device=dev):
-                    out = model(input_ids=mb.packed.input_ids.to(dev), position_ids=mb.packed.position_ids.to(dev),
-                                attention_mask=mb.packed.attention_mask().to(dev))
-            finally:
-                if isinstance(rot, PackedRotary):
-                    rot.position_ids = None
+            with replay.replaying(mb.routes, self._moe_layer_offset, device=dev):
+                out = packed_forward(model, mb.packed, dev)
 
             def loss_func(output):
                 return loss_of_mb(mb, output)
@@ -272,10 +268,12 @@ class MegatronTrainer:
         return step
 
     def _token_stats(self, mb: MicroBatch, output: torch.Tensor, temperature: float):
-        logits = output.reshape(-1, output.shape[-1]).index_select(0, mb.gen_rows.to(output.device))  # [N, V/tp]
+        """Log-probs and entropies of the generated tokens from the last stage's hidden states [1, T, H]."""
+        hidden = output.reshape(-1, output.shape[-1]).index_select(0, mb.gen_rows.to(output.device))  # [N, H]
         tp_group = self.ps.get_tensor_model_parallel_group() if self.cfg.tp > 1 else None
-        return vocab_parallel_logprob_entropy(logits, mb.gen_targets.to(output.device),
-                                              temperature=temperature, tp_group=tp_group)
+        return chunked_logprob_entropy(hidden, output_weight(unwrap(self.model)), mb.gen_targets.to(output.device),
+                                       temperature=temperature, tp_group=tp_group,
+                                       chunk_tokens=self.cfg.logprob_chunk_tokens)
 
     def _run(self, mbs: list[MicroBatch], loss_of_mb, forward_only: bool) -> list[dict]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -308,6 +306,7 @@ class MegatronTrainer:
 
     def _logprobs(self, seqs: list[TrainSequence], use_replay: bool, temperature: float) -> tuple[list, list]:
         use_replay = use_replay and self.arch.moe
+        self._check_batch(seqs)
         if use_replay:
             self._check_all_routes(seqs)
         plan = self._plan(seqs)
@@ -382,6 +381,28 @@ class MegatronTrainer:
         )
         return metrics
 
+    @property
+    def max_seq_len(self) -> int:
+        """Longest sequence (model inputs: prompt + generated - 1) the trainer accepts."""
+        return self.cfg.max_seq_len or self.arch.max_position_embeddings
+
+    def _check_batch(self, seqs: list[TrainSequence]) -> None:
+        """Every rank checks the whole batch before any forward: too long a sequence, or a token outside the
+        vocabulary, fails here with its numbers instead of inside a collective."""
+        limit = self.max_seq_len
+        for i, s in enumerate(seqs):
+            if s.num_inputs > limit:
+                raise ValueError(
+                    f"sequence {i} has {s.prompt_ids.size} prompt + {s.gen_ids.size} generated tokens = "
+                    f"{s.num_inputs} model inputs, more than the trainer's context of {limit} (trainer "
+                    f"max_seq_len={self.cfg.max_seq_len}, model max_position_embeddings="
+                    f"{self.arch.max_position_embeddings}): shorten the response or raise max_seq_len")
+            lo = min(int(s.prompt_ids.min()), int(s.gen_ids.min()))
+            hi = max(int(s.prompt_ids.max()), int(s.gen_ids.max()))
+            if lo < 0 or hi >= self.arch.vocab_size:
+                raise ValueError(f"sequence {i} has token ids in [{lo}, {hi}], outside the model's vocabulary "
+                                 f"[0, {self.arch.vocab_size})")
+
     def _check_all_routes(self, seqs: list[TrainSequence]) -> None:
         """Every rank checks the whole batch, so a bad array fails all ranks before any collective."""
         for i, s in enumerate(seqs):
@@ -419,6 +440,7 @@ class MegatronTrainer:
         """The train-step loss and its statistics on `batch` at the current weights, without a step; the
         ratio's denominator is `old_logprobs` (flat, as `compute_logprobs` returns them)."""
         seqs = [as_sequence(s) for s in batch]
+        self._check_batch(seqs)
         counts = [s.gen_ids.size for s in seqs]
         old = np.split(np.asarray(old_logprobs, np.float32), np.cumsum(counts)[:-1])
         self.model.eval()
@@ -524,6 +546,10 @@ class MegatronTrainer:
     def load_checkpoint(self, ckpt_dir: str | os.PathLike) -> None:
         d = Path(ckpt_dir)
         meta = json.loads((d / "rollverify_trainer.json").read_text())
+        if meta["arch"] != asdict(self.arch):
+            diff = {k: (meta["arch"].get(k), v) for k, v in asdict(self.arch).items() if meta["arch"].get(k) != v}
+            raise ValueError(f"checkpoint {d} is of another model ({meta['model_path']}): "
+                             + "; ".join(f"{k} {a} in the checkpoint, {b} here" for k, (a, b) in diff.items()))
         if meta["world_size"] != dist.get_world_size() or meta["parallel"] != asdict(self.pcfg):
             raise ValueError(f"checkpoint {d} was written with world size {meta['world_size']} and "
                              f"{meta['parallel']}; this trainer runs {dist.get_world_size()} / {asdict(self.pcfg)}")

@@ -117,7 +117,13 @@ def stack_run(tp: int = 1, ep: int = 1, moe: bool = False, lr: float = 1e-2) -> 
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from megatron_bridge.convert import load_hf_checkpoint
-    from megatron_bridge.model import ModelArch, PackedBatch, build_model, packed_forward, transformer_config
+    from megatron_bridge.model import (
+        ModelArch,
+        PackedSequences,
+        build_model,
+        packed_forward,
+        transformer_config,
+    )
     from megatron_bridge.parallel import ParallelConfig, init_parallel
 
     path = tiny_path(moe=moe)
@@ -132,7 +138,7 @@ def stack_run(tp: int = 1, ep: int = 1, moe: bool = False, lr: float = 1e-2) -> 
                                                  use_distributed_optimizer=True), [model])
     roundtrip = _roundtrip_errors(model, arch, path)
     seqs = fixed_tokens(3)
-    batch = PackedBatch.pack([s[:-1] for s in seqs])
+    batch = PackedSequences.pack([s[:-1] for s in seqs])
     labels = torch.cat([s[1:] for s in seqs]).view(1, -1)
 
     def loss_and_logits():

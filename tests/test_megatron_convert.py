@@ -31,13 +31,13 @@ def _build(path, **kw):
 def test_world_size_1_logits_parity_and_bit_exact_export(variant):
     from megatron_fixtures import _roundtrip_errors
 
-    from megatron_bridge.model import PackedBatch, packed_forward
+    from megatron_bridge.model import PackedSequences, packed_forward
 
     path = tiny_path(**VARIANTS[variant])
     model, arch = _build(path)
     seqs = fixed_tokens(4)
     with torch.no_grad():
-        logits = packed_forward(model, PackedBatch.pack(seqs))[0]
+        logits = packed_forward(model, PackedSequences.pack(seqs))[0]
     ref = hf_logits(path, seqs)
     # packed sequences see exactly what they see alone: parity holds for the later ones too
     assert (logits - ref).abs().max().item() < 1e-4

@@ -63,12 +63,13 @@ def test_replaying_the_free_routes_changes_nothing_and_other_routes_do(moe):
     free, _ = moe.compute_logprobs(seqs, replay=False)
     same, _ = moe.compute_logprobs(seqs, replay=True)
     assert np.abs(free - same).max() < 1e-6
-    moe.cfg.row_tokens = 20  # several rows per micro-batch: routes follow Megatron's sequence-major order
+    budget = moe.cfg.micro_batch_tokens
+    moe.cfg.micro_batch_tokens = 10_000  # one pack of every sequence: routes follow the packed token order
     try:
-        rows, _ = moe.compute_logprobs(seqs, replay=True)
+        packed, _ = moe.compute_logprobs(seqs, replay=True)
     finally:
-        moe.cfg.row_tokens = 1024
-    assert np.abs(free - rows).max() < 1e-5
+        moe.cfg.micro_batch_tokens = budget
+    assert np.abs(free - packed).max() < 1e-5
     rng = np.random.default_rng(0)
     for s in seqs:  # valid but different routes: replay really routes by them
         s.routed_experts = np.argsort(rng.random(s.routed_experts.shape[:2] + (8,)), -1)[..., :2].astype(np.int32)

@@ -47,13 +47,14 @@ def test_compute_logprobs_matches_transformers(dense, temperature):
     assert lp.dtype == np.float32 and lp.shape == ref.shape == (sum(s.gen_ids.size for s in seqs),)
     assert np.abs(lp - ref).max() < 1e-4
     assert np.all(ent > 0) and np.all(ent <= np.log(128) + 1e-4)
-    # neither the token budget of a micro-batch nor the row layout inside it changes anything
-    for budget, rows in ((10_000, 0), (10_000, 12), (40, 1)):
-        dense.cfg.micro_batch_tokens, dense.cfg.row_tokens = budget, rows
+    # neither the token budget of a micro-batch (how many sequences share a pack) nor the log-prob chunk changes
+    # anything
+    for budget, chunk in ((10_000, 1024), (10_000, 3), (40, 1)):
+        dense.cfg.micro_batch_tokens, dense.cfg.logprob_chunk_tokens = budget, chunk
         try:
             lp_other, ent_other = dense.compute_logprobs(seqs, temperature=temperature)
         finally:
-            dense.cfg.micro_batch_tokens, dense.cfg.row_tokens = 24, 1024
+            dense.cfg.micro_batch_tokens, dense.cfg.logprob_chunk_tokens = 24, 1024
         assert np.abs(lp_other - lp).max() < 1e-5 and np.abs(ent_other - ent).max() < 1e-5
 
 
@@ -166,6 +167,35 @@ def test_checkpoint_round_trip(tmp_path):
     again = trainer.export_hf_state()
     assert max((again[k] - after_next[k]).abs().max().item() for k in again) < 1e-6
     trainer.close()
+    other = _trainer(tiny_path(tie_word_embeddings=True))  # same shapes but tied: another model
+    with pytest.raises(ValueError, match=r"another model .*tie_word_embeddings False in the checkpoint, True here"):
+        other.load_checkpoint(tmp_path / "ckpt")
+    other.close()
+
+
+def test_bad_input_fails_before_any_forward_naming_the_numbers(dense):
+    from megatron_bridge.batch import TrainSequence
+    from megatron_bridge.model import ModelArch, UnsupportedCheckpoint, check_layout
+
+    ok = fixed_sequences(2)
+    long = TrainSequence(np.full(4000, 5), np.full(200, 6))  # 4199 inputs > the tiny model's 4096 positions
+    with pytest.raises(ValueError, match=r"sequence 2 has 4000 prompt \+ 200 generated tokens = 4199 model "
+                                         r"inputs, more than the trainer's context of 4096"):
+        dense.compute_logprobs([*ok, long])
+    with pytest.raises(ValueError, match=r"sequence 0 has token ids in \[\d+, 128\], outside .* \[0, 128\)"):
+        dense.compute_logprobs([TrainSequence(np.array([5, 128]), np.array([7]))])
+    dense.cfg.max_seq_len = 10  # the configured context wins over the model's
+    try:
+        with pytest.raises(ValueError, match="more than the trainer's context of 10"):
+            dense.compute_logprobs(ok)
+    finally:
+        dense.cfg.max_seq_len = 0
+    arch = ModelArch.from_hf_dir(tiny_path())
+    with pytest.raises(UnsupportedCheckpoint, match=r"tp=3 .*vocab_size 128 is not divisible by tp=3; attention "
+                                                    r"heads 4 / key-value heads 2 are not both divisible"):
+        check_layout(arch, tp=3)
+    with pytest.raises(UnsupportedCheckpoint, match="num_layers 2 is not divisible by pp=4"):
+        _trainer(tiny_path(), pp=4)  # refused before any process group or model is built
 
 
 # ------------------------------------------------------------------------------------ world size 2

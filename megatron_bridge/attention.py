@@ -1,0 +1,101 @@
+"""Core attention for packed variable-length sequences whose memory grows linearly with the tokens.
+
+Megatron-Core's local `DotProductAttention` materialises `[b, heads, s, s]` scores and takes a dense mask; it
+refuses packed (THD) input. `PackedCoreAttention` replaces it in the layer spec and takes the packed layout
+from `PackedSeqParams` (`qkv_format="thd"`, `cu_seqlens`): query `[T, heads, dim]`, key/value
+`[T, groups, dim]`, causal inside each sequence and nothing across sequences. No `[s, s]` tensor exists:
+
+- CUDA with FlashAttention installed: `flash_attn_varlen_func` over the whole pack (one kernel).
+- Otherwise (CUDA without it, and CPU): torch's `scaled_dot_product_attention` per sequence with
+  `is_causal=True`; on CUDA torch picks its flash / memory-efficient kernels, on CPU its flash CPU kernel,
+  all of which keep O(s) state (log-sum-exp) for the backward instead of the score matrix.
+
+Non-packed input (`sbhd`, no `PackedSeqParams`) is plain causal attention over each row; a dense
+`attention_mask` is refused, since honouring it is exactly the `[s, s]` cost this module exists to avoid.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.module import MegatronModule
+
+
+def _flash_varlen():
+    """FlashAttention's varlen kernel when the package is installed, else None."""
+    if importlib.util.find_spec("flash_attn") is None:
+        return None
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:  # installed but built for another torch / CUDA
+        return None
+    return flash_attn_varlen_func
+
+
+class PackedCoreAttention(MegatronModule):
+    """Drop-in `core_attention` of Megatron-Core's `SelfAttention` (same constructor and call signature)."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str = "self",
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection=None) -> None:
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError(f"PackedCoreAttention runs without context parallelism (cp=1); got "
+                             f"cp={config.context_parallel_size}")
+        if pg_collection is None:
+            from megatron.core.process_groups_config import ProcessGroupCollection
+
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+        tp = pg_collection.tp.size()
+        self.heads = config.num_attention_heads // tp
+        self.groups = config.num_query_groups // tp
+        self.head_dim = config.kv_channels
+        self.softmax_scale = softmax_scale if softmax_scale is not None else self.head_dim ** -0.5
+        if config.apply_query_key_layer_scaling:
+            raise ValueError("apply_query_key_layer_scaling is not supported by PackedCoreAttention")
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.layer_number = layer_number
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if attention_bias is not None:
+            raise ValueError("attention_bias is not supported by PackedCoreAttention")
+        if attention_mask is not None:
+            raise ValueError("PackedCoreAttention takes no dense attention mask: describe packed sequences "
+                             "with PackedSeqParams(qkv_format='thd', cu_seqlens_q=...) instead")
+        p = self.dropout if self.training else 0.0
+        if packed_seq_params is None:  # sbhd: [s, b, heads, dim], causal per row
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
+            out = self._sdpa(q, k, v, p)
+            s, b = query.shape[:2]
+            return out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)
+        if packed_seq_params.qkv_format != "thd":
+            raise ValueError(f"PackedCoreAttention takes qkv_format 'thd', got {packed_seq_params.qkv_format!r}")
+        cu = packed_seq_params.cu_seqlens_q
+        if packed_seq_params.cu_seqlens_kv is not None and packed_seq_params.cu_seqlens_kv is not cu and \
+                not torch.equal(packed_seq_params.cu_seqlens_kv, cu):
+            raise ValueError("self-attention over packed sequences needs cu_seqlens_kv == cu_seqlens_q")
+        t = query.shape[0]
+        flash = _flash_varlen() if query.is_cuda else None
+        if flash is not None:
+            cu32 = cu.to(device=query.device, dtype=torch.int32)
+            m = int(packed_seq_params.max_seqlen_q)
+            out = flash(query, key, value, cu32, cu32, m, m, dropout_p=p, softmax_scale=self.softmax_scale,
+                        causal=True)
+            return out.reshape(t, self.heads * self.head_dim)
+        bounds = cu.tolist()
+        pieces = []
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+            if b == a:
+                continue
+            q, k, v = (x[a:b].transpose(0, 1).unsqueeze(0) for x in (query, key, value))  # [1, h, n, d]
+            pieces.append(self._sdpa(q, k, v, p)[0].transpose(0, 1))  # [n, h, d]
+        if bounds[-1] != t:
+            raise ValueError(f"cu_seqlens cover {bounds[-1]} tokens, the packed input has {t}")
+        return torch.cat(pieces).reshape(t, self.heads * self.head_dim)
+
+    def _sdpa(self, q, k, v, p: float):
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, scale=self.softmax_scale,
+                                              enable_gqa=self.groups != self.heads)
