@@ -172,28 +172,32 @@ def encode(header: Header, arrays: dict[str, np.ndarray] | None = None, raw: lis
     return [text.encode(), *frames]
 
 
-class _HeaderValueError(ValueError):
-    pass
+UNREADABLE = object()  # stands in for a number a header may not hold, so the rest (id, type) stays readable
 
 
-def _parse_int(s: str) -> int:
-    if len(s) > 20:
-        raise _HeaderValueError(f"an integer of {len(s)} characters (JSON integers must fit in int64)")
-    v = int(s)
-    if not INT64_MIN <= v <= INT64_MAX:
-        raise _HeaderValueError(f"integer {s} does not fit in int64")
-    return v
+class _Numbers:
+    """JSON number hooks: int64 integers (Python itself refuses 4301+ digits), finite floats, no NaN/Infinity.
+    The first offence is recorded and the value replaced by UNREADABLE."""
 
+    def __init__(self) -> None:
+        self.problem: str | None = None
 
-def _parse_float(s: str) -> float:
-    v = float(s)
-    if not math.isfinite(v):
-        raise _HeaderValueError(f"number {s[:40]} is not a finite float64")
-    return v
+    def _bad(self, what: str) -> object:
+        self.problem = self.problem or what
+        return UNREADABLE
 
+    def int(self, s: str) -> Any:
+        if len(s) > 20:
+            return self._bad(f"an integer of {len(s)} characters (JSON integers must fit in int64)")
+        v = int(s)
+        return v if INT64_MIN <= v <= INT64_MAX else self._bad(f"integer {s} that does not fit in int64")
 
-def _parse_constant(s: str) -> float:
-    raise _HeaderValueError(f"{s} is not JSON")
+    def float(self, s: str) -> Any:
+        v = float(s)
+        return v if math.isfinite(v) else self._bad(f"number {s[:40]} that is not a finite float64")
+
+    def constant(self, s: str) -> Any:
+        return self._bad(f"{s}, which is not JSON")
 
 
 _JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
@@ -227,9 +231,11 @@ def _bad_string(obj: Any) -> bool:
     return False
 
 
-def parse_header_json(raw: bytes) -> Any:
-    """A header frame's JSON, bounded: strict UTF-8, nesting depth, int64 integers, finite floats, valid Unicode
-    strings. Every failure is ProtocolError(MALFORMED) naming it."""
+def parse_header_json(raw: bytes) -> tuple[Any, str | None, bool]:
+    """A header frame's JSON, bounded: strict UTF-8, nesting depth. Every failure is ProtocolError(MALFORMED)
+    naming it. Returns the object, the number it may not hold (an integer beyond int64, a non-finite float:
+    replaced by UNREADABLE), and whether a string may hold a lone surrogate (an escape of one appears;
+    `check_strings` decides), so the caller can still read the id and type before refusing the message."""
     if len(raw) > MAX_HEADER_BYTES:
         raise ProtocolError(
             ErrorCode.MALFORMED, f"header frame of {len(raw)} bytes exceeds the limit of {MAX_HEADER_BYTES}"
@@ -242,19 +248,19 @@ def parse_header_json(raw: bytes) -> Any:
         raise ProtocolError(
             ErrorCode.MALFORMED, f"header nests arrays/objects deeper than {MAX_HEADER_DEPTH} levels"
         )
+    numbers = _Numbers()
     try:
-        obj = json.loads(
-            text, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_parse_constant
-        )
-    except _HeaderValueError as e:
-        raise ProtocolError(ErrorCode.MALFORMED, f"header frame holds {e}") from None
+        obj = json.loads(text, parse_int=numbers.int, parse_float=numbers.float, parse_constant=numbers.constant)
     except (ValueError, RecursionError) as e:
         raise ProtocolError(ErrorCode.MALFORMED, f"header frame is not UTF-8 JSON: {e}") from None
-    if _SURROGATE_ESCAPE.search(text) and _bad_string(obj):
+    return obj, numbers.problem, _SURROGATE_ESCAPE.search(text) is not None
+
+
+def check_strings(obj: Any) -> None:
+    if _bad_string(obj):
         raise ProtocolError(
             ErrorCode.MALFORMED, "header holds a string with a lone surrogate escape (not valid Unicode)"
         )
-    return obj
 
 
 def _readable(value: Any, limit: int, ints: bool) -> Any:
@@ -273,10 +279,14 @@ def decode(frames: Sequence[Any], request: bool = False) -> Message:
     if not frames:
         raise ProtocolError(ErrorCode.MALFORMED, "empty message (no header frame)")
     head = frames[0]
-    obj = parse_header_json(head.bytes if hasattr(head, "bytes") else bytes(head))
+    obj, bad_number, suspicious = parse_header_json(head.bytes if hasattr(head, "bytes") else bytes(head))
     if not isinstance(obj, dict):
         raise ProtocolError(ErrorCode.MALFORMED, "header frame must be a JSON object")
     try:
+        if bad_number:
+            raise ProtocolError(ErrorCode.MALFORMED, f"header frame holds {bad_number}")
+        if suspicious:
+            check_strings(obj)
         return _decode(obj, frames, request)
     except ProtocolError as e:
         e.req_id = _readable(obj.get("id"), MAX_ID_CHARS, ints=True)

@@ -212,7 +212,7 @@ class FakeEngine:
         }
         self.info = ModelInfo(
             path=Path("/fake"),
-            config={},
+            config={"architectures": ["FakeForCausalLM"], "model_type": "fake"},
             weights=weights,
             vocab_size=vocab,
             num_layers=2,
