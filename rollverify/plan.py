@@ -351,7 +351,7 @@ def make_plan(cfg: RunConfig) -> Plan:
     kv_bytes = 1 if "fp8" in str(ea.get("kv_cache_dtype", "")) else dtype_bytes
     per_token = 2 * a.num_layers * kv_heads * a.head_dim * kv_bytes
     # least-loaded assignment of whole groups leaves no server more than one group above its share
-    live = math.ceil(r.max_live / max(1, n_servers)) + r.n - 1
+    live = math.ceil(r.max_live / max(1, n_servers or len(r.endpoints))) + r.n - 1
     if ea.get("max_running_requests"):
         live = min(live, int(ea["max_running_requests"]))
     frac = float(ea.get("mem_fraction_static", DEFAULT_MEM_FRACTION))
@@ -416,7 +416,9 @@ def _place(cfg: RunConfig, world: int, n_servers: int, server_gpus: int, problem
 def _check_memory(p: Plan) -> None:
     c, s, t, out = p.cfg.cluster, p.server, p.trainer, p.problems
     ea = p.cfg.rollout.engine_args
-    if s.kv_pool_tokens < s.kv_needed_tokens:
+    if p.cfg.rollout.endpoints:
+        p.notes.append("rollout.endpoints: servers someone else runs; their GPUs and memory are not checked here")
+    elif s.kv_pool_tokens < s.kv_needed_tokens:
         fits = s.kv_pool_tokens // p.context
         # a CPU server's pool is bounded for RAM's sake; SGLang retracts requests when it runs full
         target = out if c.gpus_per_node else p.notes
@@ -436,7 +438,7 @@ def _check_memory(p: Plan) -> None:
     colocated = c.placement == "colocated"
     train_peak = t.total + PROCESS_OVERHEAD * (2 if colocated else 1)
     roll_peak = int(frac * cap) + PROCESS_OVERHEAD * (2 if colocated else 1)
-    if s.weights > frac * cap:
+    if s.weights > frac * cap and not p.cfg.rollout.endpoints:
         out.append(f"server weights {s.weights / GiB:.1f} GiB per GPU exceed mem_fraction_static x GPU memory "
                    f"= {frac * cap / GiB:.1f} GiB: raise engine_args.tp_size")
     if train_peak > cap:
@@ -453,7 +455,7 @@ def _check_memory(p: Plan) -> None:
             f"{t.gradients / GiB:.1f}, optimizer {t.optimizer / GiB:.1f}, activations {t.activations / GiB:.1f}, "
             f"logits {t.logits / GiB:.1f}, overhead {(train_peak - t.total) / GiB:.1f}) of {c.gpu_memory_gib} GiB: {fix}"
         )
-    if roll_peak > cap:
+    if roll_peak > cap and not p.cfg.rollout.endpoints:
         out.append(f"rollout takes mem_fraction_static {frac} x {c.gpu_memory_gib} GiB plus process overhead = "
                    f"{roll_peak / GiB:.1f} GiB: lower engine_args.mem_fraction_static")
 

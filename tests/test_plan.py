@@ -134,6 +134,9 @@ def test_disaggregated_and_cpu_cluster_placement():
     # two simulated CPU nodes (the Ray test's layout): one rank and one server on each
     q = plan_of("tiny_cpu", "cluster.launcher=ray", "cluster.nodes=2", "trainer.dp=2", "rollout.n_servers=2")
     assert q.ranks == [(0, None), (1, None)] and [s.node for s in q.servers] == [0, 1]
+    # servers someone else runs are not placed nor sized here
+    e = plan_of("qwen3_8b_base", "rollout.endpoints=[tcp://10.0.0.1:5555]", "rollout.max_live=4096")
+    assert e.servers == [] and e.problems == [] and "not checked" in e.notes[0]
 
 
 def test_architecture_sources(tmp_path):
