@@ -260,6 +260,10 @@ class ServerConnection:
     async def health(self, timeout_s: float | None = None) -> dict:
         return (await self.call("health", timeout_s=timeout_s)).body
 
+    async def weights(self) -> list[dict]:
+        """Every tensor of the served checkpoint: `{name, shape, dtype}`."""
+        return (await self.call("weights")).body["weights"]
+
     async def shutdown(self) -> dict:
         return (await self.call("shutdown")).body
 
