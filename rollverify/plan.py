@@ -527,7 +527,13 @@ def cli_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="rollverify plan",
         description="Print where each trainer rank and server of a config goes (node, GPU) and the memory per GPU; "
-        "exit 2 with what to change when it does not fit. Needs no GPU, no weights and no data files.",
+        "exit 2 with what to change when it does not fit. Needs no GPU, no weights and no data files; "
+        "`rollverify train` runs the same check before it starts.",
+        epilog="examples:\n  rollverify plan --config qwen3_8b_base\n"
+        "  rollverify plan --config qwen3_8b_base cluster.nodes=2 trainer.dp=2 rollout.n_servers=8\n"
+        "  rollverify plan --config my.yaml model.arch=qwen3-30b-a3b   (the checkpoint is not on this machine)\n"
+        "formulas and the paper configs' tables: docs/cluster.md",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", required=True, help="YAML config (a path or a shipped config's name)")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. cluster.nodes=2 trainer.dp=8")
