@@ -89,11 +89,16 @@ def bind_address(endpoint: str) -> str:
     return endpoint
 
 
-def check_endpoint(cfg: ServeConfig) -> None:
-    """Refuse anything but loopback (or ipc) unless CURVE keys are configured: the channel can replace weights.
-    Also refuses a starting weights version outside [0, 2**31 - 1] (versions travel as int32 per token)."""
+def check_config(cfg: ServeConfig) -> None:
+    """Everything `serve` refuses before it starts SGLang: an open endpoint (check_endpoint), a starting weights
+    version outside [0, 2**31 - 1] (versions travel as int32 per token)."""
     if not 0 <= cfg.version <= INT32_MAX:
         raise ConfigError(f"--weights-version {cfg.version} is outside [0, {INT32_MAX}]")
+    check_endpoint(cfg)
+
+
+def check_endpoint(cfg: ServeConfig) -> None:
+    """Refuse anything but loopback (or ipc) unless CURVE keys are configured: the channel can replace weights."""
     ep = cfg.control
     if cfg.curve:
         if not cfg.curve_authorized_keys:
@@ -320,7 +325,10 @@ class ControlServer:
     async def _command_worker(self) -> None:
         while True:
             identity, msg, received = await self._commands.get()
-            await self._execute(identity, msg, received)
+            try:
+                await self._execute(identity, msg, received)
+            except Exception:  # _execute answers every failure itself; this worker must outlive anything
+                log.exception("command %s escaped its error handling", msg.header.type)
 
     async def _execute(self, identity: bytes, msg: Message, received: tuple[float, float]) -> None:
         typ = msg.header.type
@@ -356,7 +364,10 @@ class ControlServer:
                 f"the reply could not be encoded ({type(e).__name__}); if the request changed state, "
                 "stats and fetch show it",
             )
-            frames = encode(error_header(header.id, header.type, err))
+            try:
+                frames = encode(error_header(header.id, header.type, err))
+            except Exception:
+                frames = encode(error_header(None, None, err))
         try:
             self.sock.send_multipart([identity, *frames], copy=False)
         except Exception as e:  # a vanished peer must not stop the server
@@ -899,7 +910,7 @@ def serve(cfg: ServeConfig) -> None:
     from sglang_ext import cpu_compat
     from sglang_ext.engine import EngineHandle, inspect_model_folder
 
-    check_endpoint(cfg)
+    check_config(cfg)
     info = inspect_model_folder(cfg.model)
     routes = info.is_moe if cfg.routed_experts is None else cfg.routed_experts
     if routes and not info.is_moe:

@@ -26,8 +26,9 @@ from sglang_ext.protocol import (
     decode_outputs,
     encode,
     encode_outputs,
+    error_header,
 )
-from sglang_ext.server import ConfigError, ServeConfig, check_endpoint
+from sglang_ext.server import ConfigError, ServeConfig, check_config, check_endpoint
 from sglang_ext.store import RouteShape, State, new_record
 
 
@@ -77,6 +78,39 @@ def test_malformed_frames_name_the_problem(frames, code, words):
     with pytest.raises(ProtocolError) as e:
         decode(frames)
     assert e.value.code == code and words in e.value.message
+
+
+@pytest.mark.parametrize(
+    "head, words, req_id, req_type",
+    [
+        (b"[" * 5000 + b"]" * 5000, "deeper than 16", None, None),
+        (b'{"proto": 1, "id": 7, "type": "x", "body": ' + b'{"a":' * 20 + b"1" + b"}" * 20 + b"}", "deeper", None, None),
+        (b'{"proto": 1, "id": ' + b"9" * 5000 + b', "type": "health"}', "5000 characters", None, "health"),
+        (b'{"proto": 1, "id": 9223372036854775808, "type": "health"}', "int64", None, "health"),
+        (b'{"proto": 1, "id": 2, "type": "events", "body": {"wait_s": NaN}}', "NaN", 2, "events"),
+        (b'{"proto": 1, "id": 2, "type": "events", "body": {"wait_s": 1e999}}', "finite", 2, "events"),
+        (b'{"proto": 1, "id": "a\\ud800", "type": "health"}', "lone surrogate", None, "health"),
+        (b'{"proto": 1, "id": "a\xed\xa0\x80", "type": "health"}', "not UTF-8", None, None),
+        (b'{"proto": 1, "id": 3, "type": "health", "ok": true}', "belong to replies", 3, "health"),
+        (b'{"proto": 1, "id": true, "type": "health"}', "id", None, "health"),
+        (b'{"proto": 1, "id": 1.0, "type": "health"}', "id", None, "health"),
+        (b'{"proto": 1.0, "id": 4, "type": "health"}', "1.0", 4, "health"),
+    ],
+)
+def test_header_limits_and_strict_types(head, words, req_id, req_type):
+    with pytest.raises(ProtocolError) as e:
+        decode([head], request=True)
+    assert e.value.code in (ErrorCode.MALFORMED, ErrorCode.PROTOCOL_VERSION) and words in e.value.message
+    assert (e.value.req_id, e.value.req_type) == (req_id, req_type)
+    # an error reply to it encodes, with `id` present even when null
+    reply = json.loads(encode(error_header(e.value.req_id, e.value.req_type, e.value))[0])
+    assert reply["id"] == req_id and reply.get("type") == req_type
+
+
+def test_serve_refuses_a_weights_version_beyond_int32():
+    with pytest.raises(ConfigError, match="outside"):
+        check_config(ServeConfig(model="m", version=2**31))
+    check_config(ServeConfig(model="m", version=2**31 - 1))
 
 
 def test_outputs_pack_into_constant_frames():
