@@ -241,10 +241,12 @@ def vespo_loss(
         l_i,t = -w_i,t sg[phi(W_i)] A_i exp(lp_t - sg[lp_t])        value -w phi A, gradient -w phi A grad lp_t
         L     = sum_i,t l_i,t / N_tokens                            token-mean (the authors' verl recipe)
 
-    w_i,t is the per-token TIS weight of the module doc. On-policy (W = 1) this is the plain policy gradient.
-    phi is computed in log space (c1 log W + c2 (1 - W)), so a huge W gives phi = 0, never inf or NaN. Defaults:
-    the (c1, c2) of the authors' recipe run scripts. The kernel is the paper's closed form (abstract, Sec. 3-4,
-    phi(W) = W^{c1} e^{c2(1-W)}); its equation numbers were not available to check against here.
+    w_i,t is the per-token TIS weight of the module doc, as the design applies it to every loss (the authors'
+    verl recipe instead multiplies the truncated engine/trainer ratios into W). On-policy (W = 1) this is the
+    plain policy gradient. phi is computed in log space (c1 log W + c2 (1 - W)), so a huge W gives phi = 0, never
+    inf or NaN. Defaults: the (c1, c2) of the authors' recipe run scripts (recipe/vespo/run/sync/*.sh). The
+    kernel is the paper's closed form phi(W) = W^{c1} e^{c2(1-W)}, its gamma kernel W^alpha e^{-lambda W} scaled
+    to phi(1) = 1; the paper's own equation numbers could not be read here, so none is cited.
     """
     if logprobs.dim() != 2:
         raise ValueError(f"vespo_loss needs padded [batch, tokens] tensors, got shape {tuple(logprobs.shape)}")
