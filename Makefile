@@ -9,7 +9,7 @@ REQS := requirements/$(PROFILE).txt requirements/sglang.txt pyproject.toml
 STAMP := $(VENV)/.rollverify-$(PROFILE)-$(shell cat $(REQS) 2>/dev/null | sha256sum | cut -c1-16)
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint clean-venv
+.PHONY: setup demo test lint check-gpu-resolve clean-venv
 
 setup: $(STAMP)
 
@@ -36,6 +36,10 @@ test: setup
 
 lint: setup
 	$(VENV)/bin/ruff check rollverify sglang_ext megatron_bridge tools tests
+
+# pip's resolver on requirements/gpu.txt (dry run, own venv, no install): does the GPU path install? ~3-6 min
+check-gpu-resolve:
+	$(PYTHON) tools/check_gpu_resolve.py
 
 clean-venv:
 	rm -rf $(VENV)
