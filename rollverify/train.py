@@ -95,7 +95,7 @@ class Run:
         self.model_path = resolve_model(cfg)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.task = get_task(cfg.task.name, **cfg.task.options)
-        self.render = PromptRenderer(self.tokenizer, self.task.chat_template, source=self.model_path)
+        self.render = PromptRenderer(self.tokenizer, getattr(self.task, "chat_template", "auto"), source=self.model_path)
         self.score = task_reward(self.task, cfg.task.reward)
         self.evaluator = build_evaluator(cfg, self.task, self.tokenizer, self.score) if cfg.eval.every else None
         self.engine = self._start_engine()
