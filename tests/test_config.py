@@ -119,7 +119,7 @@ def test_overrides():
         ("trainer.dual_clip_c=1", r"trainer\.dual_clip_c: must be > 1\.0"),
         ("rollout.temperature=0", r"rollout\.temperature: must be > 0\.0"),
         ("rollout.n=1", r"rollout\.n: must be >= 2, got 1"),
-        ("trainer.loss=ppo2", r"trainer\.loss: expected one of grpo, ppo, gspo, sapo, got 'ppo2'"),
+        ("trainer.loss=ppo2", r"trainer\.loss: expected one of grpo, ppo, gspo, sapo(, \w+)*, got 'ppo2'"),
         ("trainer.lr_decay_style=step", r"trainer\.lr_decay_style: expected one of constant, linear, cosine"),
         ("model.dtype=fp8", r"model\.dtype: expected one of auto, float32, bfloat16"),
         ("algo.mode=bogus", r"algo\.mode must be one of .*on_policy.*rollverify.*got 'bogus'"),
