@@ -449,7 +449,9 @@ class FetchBody(_Body):
 
 
 class EventsBody(_Body):
-    after: int = Field(0, ge=0, le=INT64_MAX)  # acknowledge every event with seq <= after (seqs start at 1)
+    # acknowledge every event with seq <= after; seqs start at 1, so -1 (accepted since version 1) and 0 acknowledge
+    # nothing
+    after: int = Field(0, ge=-1, le=INT64_MAX)
     wait_s: float = Field(0.0, ge=0.0, le=60.0, allow_inf_nan=False)
     max_events: int = Field(4096, ge=1, le=MAX_EVENTS)
 

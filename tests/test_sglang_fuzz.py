@@ -463,7 +463,7 @@ def test_replies_and_schemas_follow_the_doc():
             for keep in (True, "1", 1.0):
                 code, m = err("truncate", {"keep": {"a": keep}})
                 assert code == "INVALID" and "keep.a" in m
-            for body, words in [({"after": -1}, "after"), ({"max_events": 0}, "max_events"),
+            for body, words in [({"after": -2}, "after"), ({"max_events": 0}, "max_events"),
                                 ({"wait_s": 61}, "wait_s")]:  # fmt: skip
                 code, m = err("events", body)
                 assert code == "INVALID" and words in m
