@@ -87,12 +87,16 @@ def check_resume(src: str | Path) -> Path:
     return src
 
 
-def claim(out: str | Path, *, resume: str | Path | None = None, overwrite: bool = False, demo: bool = False) -> Path:
+def claim(
+    out: str | Path, *, resume: str | Path | None = None, overwrite: bool = False, demo: bool = False
+) -> Path:
     """Make sure a run (or, with `demo`, a demo of several runs) may write into `out`; with `overwrite`, remove
     the earlier run's outputs. Raises `RunFolderError` (nothing touched) when it may not."""
     out = Path(out)
     if resume is not None and overwrite:
-        raise RunFolderError("--resume and --overwrite exclude each other: resume continues a run, overwrite replaces it")
+        raise RunFolderError(
+            "--resume and --overwrite exclude each other: resume continues a run, overwrite replaces it"
+        )
     if resume is not None:
         check_resume(resume)
     if out.exists() and not out.is_dir():
@@ -105,18 +109,22 @@ def claim(out: str | Path, *, resume: str | Path | None = None, overwrite: bool 
     held = (out / "demo.json").exists() or bool(runs) if demo else is_run(out)
     ours, other = _outputs_of(out, demo)
     if not held:
+        listed = ", ".join(other[:5]) + (", ..." if len(other) > 5 else "")
         raise RunFolderError(
-            f"--out {out} is not empty and holds no run ({', '.join(other[:5])}{', ...' if len(other) > 5 else ''}); "
-            "nothing was written: choose a new or empty folder"
+            f"--out {out} is not empty and holds no run ({listed}); nothing was written: choose a new or empty folder"
         )
     what = f"an earlier demo ({', '.join(runs) or 'no finished run'})" if demo else describe_run(out)
     if not overwrite:
-        how = "pass --overwrite to replace it" if demo else f"pass --resume {out} to continue it, --overwrite to replace it"
+        how = (
+            "pass --overwrite to replace it"
+            if demo
+            else f"pass --resume {out} to continue it, --overwrite to replace it"
+        )
         raise RunFolderError(f"--out {out} already holds {what}; {how}, or choose another --out")
     if other:
         raise RunFolderError(
-            f"--out {out} holds {what} and also files no run wrote ({', '.join(other)}); --overwrite removes only a "
-            "run's own outputs: move those files or choose another --out"
+            f"--out {out} holds {what} and also files no run wrote ({', '.join(other)}); --overwrite removes "
+            "only a run's own outputs: move those files or choose another --out"
         )
     for entry in ours:
         if entry.is_dir() and not entry.is_symlink():
