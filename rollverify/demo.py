@@ -78,7 +78,7 @@ def cli_main(argv: list[str] | None = None) -> int:
 
     from rollverify.train import resolve_model, train
     from sglang_ext import cpu_compat
-    from sglang_ext.launch import launch_server
+    from sglang_ext.launch import ServerStartError, launch_server
 
     base = [f"trainer.steps={a.steps}", *a.overrides]
     try:  # a bad mode, override, path or --out stops here, before a server starts or anything is written
@@ -97,9 +97,13 @@ def cli_main(argv: list[str] | None = None) -> int:
     model = resolve_model(cfg0)
     results: dict[str, dict] = {}
     t0 = time.perf_counter()
-    with stage("server") as st:
-        server = launch_server(model, engine_args=dict(cfg0.rollout.engine_args), log_path=out / "server.log")
-        st.detail = f"SGLang at {server.endpoint} (log: {out / 'server.log'})"
+    try:
+        with stage("server") as st:
+            server = launch_server(model, engine_args=dict(cfg0.rollout.engine_args), log_path=out / "server.log")
+            st.detail = f"SGLang at {server.endpoint} (log: {out / 'server.log'})"
+    except ServerStartError as e:
+        print(f"error: the SGLang server did not start: {e}", file=sys.stderr)
+        return 3
     with server:
         for mode in a.modes:
             cfg = load_config(a.config, [*base, f"algo.mode={mode}", f'rollout.endpoints=["{server.endpoint}"]'])
