@@ -68,7 +68,7 @@ def _outputs_of(path: Path, demo: bool) -> tuple[list[Path], list[str]]:
     for entry in sorted(path.iterdir()):
         if _matches(entry.name, RUN_OUTPUTS if not demo else DEMO_OUTPUTS):
             ours.append(entry)
-        elif demo and is_run(entry) and not _outputs_of(entry, False)[1]:
+        elif demo and entry.is_dir() and not entry.is_symlink() and not _outputs_of(entry, False)[1]:
             ours.append(entry)  # one mode's run folder, holding nothing but run outputs
         else:
             other.append(entry.name + ("/" if entry.is_dir() else ""))
@@ -106,8 +106,10 @@ def claim(
     if resume is not None and out.resolve() == Path(resume).resolve():
         return out  # continuing in place: records after the checkpoint's step are redone
     runs = sorted(d.name for d in out.iterdir() if is_run(d))
-    held = (out / "demo.json").exists() or bool(runs) if demo else is_run(out)
     ours, other = _outputs_of(out, demo)
+    # a run (or demo) is there if it logged something, or if everything there is what one writes (a start that
+    # failed before its first step leaves config.json and server logs)
+    held = not other or ((out / "demo.json").exists() or bool(runs) if demo else is_run(out))
     if not held:
         listed = ", ".join(other[:5]) + (", ..." if len(other) > 5 else "")
         raise RunFolderError(

@@ -292,3 +292,20 @@ def test_cpu_warning_filters_drop_only_the_known_ones():
     other = logging.LogRecord("torch.utils.cpp_extension", logging.WARNING, "x", 1, "compiling ext", None, None)
     logger = logging.getLogger("torch.utils.cpp_extension")
     assert not logger.filter(record) and logger.filter(other)
+
+
+def test_a_run_that_failed_to_start_can_be_overwritten(tmp_path, capsys):
+    failed = tmp_path / "failed"  # what a start that failed before its first step leaves
+    failed.mkdir()
+    (failed / "config.json").write_text("{}")
+    (failed / "server0.log").write_text("oom\n")
+    assert _train("--out", str(failed)) == 2
+    assert "already holds a run of 0 logged steps; pass --resume" in capsys.readouterr().err
+    assert rundir.claim(failed, overwrite=True) == failed and not any(failed.iterdir())
+    demo = tmp_path / "demo"  # a demo whose server did not start, and one whose first run did not log a step
+    (demo / "on_policy").mkdir(parents=True)
+    (demo / "server.log").write_text("timeout\n")
+    (demo / "on_policy" / "config.json").write_text("{}")
+    with pytest.raises(rundir.RunFolderError, match="already holds an earlier demo"):
+        rundir.claim(demo, demo=True)
+    assert rundir.claim(demo, overwrite=True, demo=True) == demo and not any(demo.iterdir())
