@@ -295,6 +295,8 @@ examples:
 
 
 def cli_main(argv: list[str] | None = None) -> int:
+    from sglang_ext.launch import ServerStartError
+
     p = argparse.ArgumentParser(
         prog="rollverify train",
         description=DESCRIPTION,
@@ -330,6 +332,9 @@ def cli_main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except ServerStartError as e:  # its message carries the server log's tail
+        print(f"error: the SGLang server did not start: {e}", file=sys.stderr)
+        return 3
     print(json.dumps({k: v for k, v in summary.items() if not isinstance(v, dict | list)}, indent=1))
     say(f"run folder: {out}")
     return 0
