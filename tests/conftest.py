@@ -1,4 +1,5 @@
-"""Shared fixtures: one cached copy of each tiny model for the whole test session (and the demo)."""
+"""Shared fixtures: one cached copy of each tiny model (`rollverify.tiny_model.cache_root()`: $ROLLVERIFY_CACHE,
+else the user's cache folder) for every test session and the demo; it is made once, on first use."""
 
 from __future__ import annotations
 
