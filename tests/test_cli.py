@@ -309,3 +309,17 @@ def test_a_run_that_failed_to_start_can_be_overwritten(tmp_path, capsys):
     with pytest.raises(rundir.RunFolderError, match="already holds an earlier demo"):
         rundir.claim(demo, demo=True)
     assert rundir.claim(demo, overwrite=True, demo=True) == demo and not any(demo.iterdir())
+
+
+def test_making_a_tiny_model_prints_its_warm_start_and_no_shard_bar(tmp_path, monkeypatch, capsys):
+    from rollverify import warm_start
+    from rollverify.tiny_model import TinyModelSpec, make_tiny_model
+
+    monkeypatch.setitem(warm_start.RECIPES, "countdown_short", warm_start.WarmStartRecipe(steps=2, batch_size=4))
+    make_tiny_model(tmp_path / "m", TinyModelSpec(task="countdown_short", hidden_size=32, head_dim=8))
+    out, err = capsys.readouterr()
+    lines = out.splitlines()
+    assert lines[0].startswith("[rollverify] warm start: training the tiny model on countdown_short (2 steps;")
+    assert re.fullmatch(r"\[rollverify\] warm start: countdown_short, 2 steps, final loss \d+\.\d{3} \(\d+\.\d s\)",
+                        lines[1])
+    assert "Writing model shards" not in err + out
