@@ -101,3 +101,29 @@ def test_chunked_logprobs_equal_the_full_computation_and_keep_one_chunk():
         want = torch.autograd.grad((lp_ref * coef + ent_ref).sum(), (hidden, weight))
         for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)  # sums over chunks in another order
+
+
+def test_gpu_smoke_part_a_dry_run_on_cpu(tmp_path):
+    """tools/gpu_smoke.py's part A logic through the same code on CPU (a subset of its checks), loading none of
+    the project's heavy dependencies."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from rollverify.tiny_model import cache_root
+
+    root = Path(__file__).resolve().parent.parent
+    checks = "parity_dense_fp32,routing_replay_bitwise,verify_device_equals_cpu,imports_part_a"
+    out = subprocess.run(
+        [sys.executable, str(root / "tools" / "gpu_smoke.py"), "--device", "cpu", "--quick", "--checks", checks,
+         "--json", str(tmp_path / "smoke.json"), "--workdir", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "ROLLVERIFY_CACHE": str(cache_root())})
+    lines = [line for line in out.stdout.splitlines() if line.startswith(("PASS", "FAIL", "SKIP"))]
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert [line.split(":")[0] for line in lines] == [f"PASS {c}" for c in checks.split(",")] + ["PASS all"]
+    report = json.loads((tmp_path / "smoke.json").read_text())
+    figures = {c["name"]: c for c in report["checks"]}
+    assert figures["parity_dense_fp32"]["value"] <= 1e-4
+    assert report["info"]["device"] == "cpu" and report["info"]["quick"] is True

@@ -3,6 +3,7 @@
     python tools/bench_trainer.py                      # tiny dense and MoE, world size 1, this machine
     python tools/bench_trainer.py --world-size 2 --tp 2 --models dense
     python tools/bench_trainer.py --model-path /ckpt/Qwen3-8B --seqs 64 --prompt-len 512 --gen-len 3584
+    python tools/bench_trainer.py --memory --json mem.json   # peak memory vs tokens per sequence (1K..16K)
 
 Prints a table and writes JSON (--json). The same command runs on a GPU machine (bf16, NCCL) unchanged: the
 trainer picks the device (TrainerConfig.device="auto"), world size > 1 spawns ranks.
@@ -105,6 +106,102 @@ def _param_count(arch) -> int:
     return sum(int(np.prod(s)) for e in _entries(arch) for s in e.hf_shapes)
 
 
+# --memory: the tiny model, and a wider random one, both with a context long enough for the longest length
+MEMORY_MODELS = {
+    "tiny": dict(max_position_embeddings=32768),
+    "wide": dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_layers=2, num_heads=4,
+                 num_kv_heads=2, head_dim=64, max_position_embeddings=32768),
+}
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _peak_during(fn) -> tuple[int, object]:
+    """(peak resident bytes above the resident size just before, result) of `fn()` in this process (Linux:
+    glibc's free memory is returned first and the high-water mark reset through /proc/self/clear_refs)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _rss_kib("VmRSS")
+    out = fn()
+    return (_rss_kib("VmHWM") - before) * 1024, out
+
+
+def _memory_worker(model: str, tokens: int, threads: int) -> dict:
+    """One (model, tokens per sequence) point in a fresh process: ComputeProb, then a train step, on one
+    sequence of `tokens` inputs (a quarter prompt)."""
+    import torch
+
+    warnings.filterwarnings("ignore")
+    if threads:
+        torch.set_num_threads(threads)
+    from megatron_bridge.batch import TrainSequence
+    from megatron_bridge.model import ModelArch
+    from megatron_bridge.trainer import MegatronTrainer, TrainerConfig
+    from rollverify.tiny_model import TinyModelSpec, ensure_tiny_model
+
+    path = ensure_tiny_model(TinyModelSpec(**MEMORY_MODELS[model]))
+    arch = ModelArch.from_hf_dir(path)
+    trainer = MegatronTrainer(path, TrainerConfig(micro_batch_tokens=tokens, lr=1e-5, device="cpu",
+                                                  dtype="float32"))
+    rng = np.random.default_rng(0)
+    prompt = tokens // 4
+    seq = TrainSequence(rng.integers(4, arch.vocab_size, prompt), rng.integers(4, arch.vocab_size, tokens - prompt + 1),
+                        advantage=1.0)
+    try:
+        trainer.compute_logprobs([TrainSequence(seq.prompt_ids[:8], seq.gen_ids[:8])])  # warm-up
+        t = time.perf_counter()
+        lp_peak, (lp, _) = _peak_during(lambda: trainer.compute_logprobs([seq]))
+        t_lp = time.perf_counter() - t
+        seq.rollout_logprobs = lp
+        t = time.perf_counter()
+        step_peak, metrics = _peak_during(lambda: trainer.train_step([seq]))
+        t_step = time.perf_counter() - t
+    finally:
+        trainer.close()
+    return {"model": model, "tokens": tokens, "params_M": _param_count(arch) / 1e6,
+            "hidden": arch.hidden_size, "layers": arch.num_layers, "vocab": arch.vocab_size,
+            "computeprob_peak_MiB": lp_peak / 2**20, "train_step_peak_MiB": step_peak / 2**20,
+            "computeprob_s": t_lp, "train_step_s": t_step, "grad_norm": metrics["grad_norm"]}
+
+
+def bench_memory(args) -> list[dict]:
+    """Peak memory above the loaded trainer, per model and tokens per sequence; each point in a fresh process
+    so that no allocator cache from an earlier point hides a later one's growth."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    rows = []
+    for model in args.memory_models.split(","):
+        for tokens in (int(x) for x in args.lengths.split(",")):
+            with ctx.Pool(1) as pool:
+                rows.append(pool.apply(_memory_worker, (model, tokens, args.threads)))
+            r = rows[-1]
+            print(f"{model:>5} {tokens:>6} tokens: ComputeProb peak {r['computeprob_peak_MiB']:8.1f} MiB "
+                  f"({r['computeprob_s']:.1f} s), train step peak {r['train_step_peak_MiB']:8.1f} MiB "
+                  f"({r['train_step_s']:.1f} s)", flush=True)
+    for model in args.memory_models.split(","):
+        mine = [r for r in rows if r["model"] == model]
+        lo, hi = mine[0], mine[-1]
+        for key in ("computeprob_peak_MiB", "train_step_peak_MiB"):
+            ratio = hi[key] / max(lo[key], 1e-9)
+            for r in mine:
+                r[key.replace("_MiB", "_growth")] = r[key] / max(lo[key], 1e-9)
+            print(f"{model}: {key} {hi['tokens']}/{lo['tokens']} tokens = {ratio:.1f}x "
+                  f"(tokens {hi['tokens'] / lo['tokens']:.0f}x; target <= 20x)")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="dense,moe", help="tiny models to bench: dense, moe (comma list)")
@@ -121,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads in this process (0: torch's default)")
     p.add_argument("--json", default=None, help="write results here (default: print only)")
+    p.add_argument("--memory", action="store_true", help="peak memory vs tokens per sequence instead (CPU)")
+    p.add_argument("--memory-models", default="tiny,wide", help=f"with --memory: of {', '.join(MEMORY_MODELS)}")
+    p.add_argument("--lengths", default="1024,2048,4096,8192,16384", help="with --memory: tokens per sequence")
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore")
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
@@ -129,6 +229,13 @@ def main(argv: list[str] | None = None) -> int:
 
         torch.set_num_threads(args.threads)
 
+    if args.memory:
+        rows = bench_memory(args)
+        if args.json:
+            out = {"host": platform.node(), "cpus": os.cpu_count(), "args": vars(args), "memory": rows}
+            Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+            print(f"wrote {args.json}")
+        return 0
     if args.model_path:
         targets = [(Path(args.model_path).name, args.model_path)]
     else:

@@ -1,0 +1,609 @@
+"""GPU smoke test of the trainer (part A) and of the SGLang rollout side (part B): one PASS/FAIL line per check.
+
+    python tools/gpu_smoke.py                          # part A on cuda:0 (<= 8 min on one GPU), gpu_smoke.json
+    python tools/gpu_smoke.py --part B                 # part B: needs SGLang's GPU install
+    python tools/gpu_smoke.py --device cpu --quick     # dry run of part A's logic on CPU with small shapes
+
+Part A needs only torch, transformers and megatron-core (any Python >= 3.11, torch >= 2.11, transformers 5.x;
+nothing is pinned and nothing else is imported: the project modules it uses, `megatron_bridge` and
+`rollverify.{tiny_model,verify,losses}`, import only those). Its checks:
+
+- parity_{dense,moe,0p6b}_{fp32,bf16}: the tiny dense and MoE models and a random Qwen3 shaped like Qwen3-0.6B,
+  trainer log-probs of every token against transformers on the same device (fp32: max |diff| <= 1e-4; bf16:
+  mean |diff| <= 2e-3).
+- train_step_bf16: one GRPO step of the 0.6B-shaped model in bf16 (fp32 main params): finite, positive grad norm.
+- checkpoint_roundtrip: a stepped tiny model saved and loaded into a fresh trainer gives identical log-probs.
+- routing_replay_bitwise: the tiny MoE's free routes, recorded on the device and replayed, give bitwise the
+  same log-probs.
+- memory_vs_length: peak memory of a bf16 train step at 2K..32K tokens per sequence; linear when the 32K/2K
+  ratio is <= 1.25 x the length ratio.
+- verify_device_equals_cpu: `two_stage_verify` on the device returns the CPU's keep lengths and OPS.
+- computeprob_throughput, train_step_mfu: tokens/s of ComputeProb and the model FLOP utilisation of a bf16
+  train step of the 0.6B-shaped model (6 N per trained token + 2 N per recomputed old-log-prob token; the
+  attention's S^2 term is left out, so the MFU is a lower bound).
+
+Part B (SGLang on CUDA): `rollverify serve` on the tiny model; pause / truncate / resume of live responses; a
+weight update through the colocated transport; the engine-versus-trainer log-prob floor in bf16 against `d_s`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+# part A must run where only torch, transformers and megatron-core are installed: none of the project's other
+# dependencies may load, and of the project only these modules (which import nothing else)
+HEAVY_PACKAGES = ("sglang", "sglang_ext", "sgl_kernel", "flashinfer", "vllm", "ray", "zmq", "wandb", "pydantic",
+                  "pandas", "pyarrow", "datasets", "orjson", "uvloop", "fastapi")
+PROJECT_MODULES = ("megatron_bridge", "rollverify", "rollverify.tiny_model", "rollverify.verify",
+                   "rollverify.losses")
+
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12,
+                   "L40S": 362e12, "B200": 2250e12, "GH200": 989e12}
+
+
+@dataclass
+class Check:
+    name: str
+    passed: bool | None  # None: skipped
+    figure: str
+    value: float | None = None
+    seconds: float = 0.0
+    detail: dict = field(default_factory=dict)
+
+    def line(self) -> str:
+        status = "SKIP" if self.passed is None else ("PASS" if self.passed else "FAIL")
+        return f"{status} {self.name}: {self.figure} ({self.seconds:.1f} s)"
+
+
+class Smoke:
+    """Runs checks in order within a time budget; a check that raises is a FAIL with the error as its figure."""
+
+    def __init__(self, budget_s: float, only: set[str] | None = None) -> None:
+        self.deadline = time.monotonic() + budget_s
+        self.only = only  # None: every check
+        self.checks: list[Check] = []
+
+    def wants(self, *names: str) -> bool:
+        return self.only is None or any(n in self.only for n in names)
+
+    def run(self, name: str, fn: Callable[[], Check]) -> Check | None:
+        if not self.wants(name):
+            return None
+        t = time.monotonic()
+        if t > self.deadline:
+            c = Check(name, None, "time budget spent before it started")
+        else:
+            try:
+                c = fn()
+            except Exception as e:  # noqa: BLE001 - every failure is reported as this check's result
+                c = Check(name, False, f"{type(e).__name__}: {e}", detail={"traceback": traceback.format_exc()})
+            c.name = name
+        c.seconds = time.monotonic() - t
+        self.checks.append(c)
+        print(c.line(), flush=True)
+        return c
+
+
+# ---------------------------------------------------------------------------------------------- shared helpers
+
+
+@dataclass
+class Env:
+    device: str
+    quick: bool
+    workdir: Path
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    def sync(self) -> None:
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+def model_specs(quick: bool) -> dict:
+    """TinyModelSpec keyword sets: the tiny dense and MoE models and the 0.6B-shaped random Qwen3 (its depth and
+    vocabulary cut down with --quick)."""
+    qwen3_0p6b = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16,
+                      num_kv_heads=8, head_dim=128, max_position_embeddings=40960, tie_word_embeddings=True)
+    if quick:
+        qwen3_0p6b.update(vocab_size=1024, num_layers=2, hidden_size=256, intermediate_size=512, head_dim=64,
+                          num_heads=4, num_kv_heads=2)
+    return {"dense": dict(max_position_embeddings=40960), "moe": dict(moe=True), "0p6b": qwen3_0p6b}
+
+
+def model_path(name: str, env: Env) -> str:
+    from rollverify.tiny_model import TinyModelSpec, ensure_tiny_model
+
+    return str(ensure_tiny_model(TinyModelSpec(**model_specs(env.quick)[name])))
+
+
+def random_sequences(n: int, vocab: int, prompt: int, gens: list[int], seed: int = 0):
+    import numpy as np
+
+    from megatron_bridge.batch import TrainSequence
+
+    rng = np.random.default_rng(seed)
+    return [TrainSequence(rng.integers(4, vocab, prompt), rng.integers(4, vocab, gens[i % len(gens)]),
+                          advantage=1.0 if i % 2 else -1.0) for i in range(n)]
+
+
+def make_trainer(path: str, env: Env, dtype: str, **kw):
+    from megatron_bridge.trainer import MegatronTrainer, TrainerConfig
+
+    kw.setdefault("micro_batch_tokens", 8192)
+    kw.setdefault("lr", 1e-5)
+    return MegatronTrainer(path, TrainerConfig(device="cuda" if env.cuda else "cpu", dtype=dtype, **kw))
+
+
+def hf_logprobs(path: str, seqs, env: Env, dtype, routes: bool = False) -> list:
+    """transformers' log-prob of each generated token, each sequence alone, on the device; with `routes` (MoE)
+    its router top-k of every input position is stored on the sequence, for the trainer to replay (as it
+    replays the engine's)."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(env.device).eval()
+    out = []
+    with torch.no_grad():
+        for s in seqs:
+            ids = torch.from_numpy(np.concatenate([s.prompt_ids, s.gen_ids])[:-1]).view(1, -1).to(env.device)
+            res = hf(ids, output_router_logits=routes)
+            logp = torch.log_softmax(res.logits[0].float(), dim=-1)
+            rows = torch.arange(s.prompt_ids.size - 1, s.prompt_ids.size - 1 + s.gen_ids.size, device=env.device)
+            out.append(logp[rows, torch.from_numpy(s.gen_ids).to(env.device)].cpu().numpy())
+            if routes:
+                k = hf.config.num_experts_per_tok
+                s.routed_experts = np.stack([r.view(ids.shape[1], -1).topk(k, dim=-1).indices.cpu().numpy()
+                                             for r in res.router_logits], axis=1).astype(np.int32)
+    del hf
+    if env.cuda:
+        torch.cuda.empty_cache()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- part A checks
+
+
+def check_parity(name: str, dtype: str, env: Env) -> Check:
+    import numpy as np
+    import torch
+
+    from megatron_bridge.model import ModelArch
+
+    path = model_path(name, env)
+    arch = ModelArch.from_hf_dir(path)
+    gens = [40, 300, 7, 900] if not env.quick else [20, 45, 7]
+    seqs = random_sequences(4, arch.vocab_size, 17, gens, seed=1)
+    # MoE: transformers' routes replayed (as the trainer replays the engine's): in bf16 the two frameworks' router
+    # precisions (Megatron fp32, transformers bf16) otherwise pick different experts on near ties
+    ref = np.concatenate(hf_logprobs(path, seqs, env, torch.float32 if dtype == "float32" else torch.bfloat16,
+                                     routes=arch.moe))
+    trainer = make_trainer(path, env, dtype)
+    try:
+        lp, _ = trainer.compute_logprobs(seqs, replay=arch.moe)
+    finally:
+        trainer.close()
+    d = np.abs(lp.astype(np.float64) - ref)
+    if dtype == "float32":
+        return Check("", bool(d.max() <= 1e-4), f"max |lp - transformers| = {d.max():.2e} (<= 1e-4)", float(d.max()),
+                     detail={"mean": float(d.mean()), "tokens": int(d.size)})
+    # how far each bf16 result is from float32 (transformers): says which framework's rounding a gap comes from
+    exact = np.concatenate(hf_logprobs(path, seqs, env, torch.float32, routes=arch.moe)).astype(np.float64)
+    err_trainer, err_hf = float(np.abs(lp - exact).mean()), float(np.abs(ref - exact).mean())
+    return Check("", bool(d.mean() <= 2e-3), f"mean |lp - transformers| = {d.mean():.2e} (<= 2e-3), "
+                 f"max {d.max():.2e}; from fp32: trainer {err_trainer:.1e}, transformers {err_hf:.1e}",
+                 float(d.mean()), detail={"max": float(d.max()), "tokens": int(d.size),
+                                          "trainer_vs_fp32": err_trainer, "transformers_vs_fp32": err_hf})
+
+
+def check_checkpoint(env: Env) -> Check:
+    import numpy as np
+
+    path = model_path("dense", env)
+    seqs = random_sequences(4, 128, 9, [30, 12, 50, 5], seed=2)
+    first = make_trainer(path, env, "float32", lr=1e-3)
+    try:
+        lp0, _ = first.compute_logprobs(seqs)
+        for s, a in zip(seqs, np.split(lp0, np.cumsum([s.gen_ids.size for s in seqs])[:-1]), strict=True):
+            s.rollout_logprobs = a
+        first.train_step(seqs)
+        want, _ = first.compute_logprobs(seqs)
+        ckpt = first.save_checkpoint(Path(tempfile.mkdtemp(dir=env.workdir)) / "ckpt")
+    finally:
+        first.close()
+    second = make_trainer(path, env, "float32", lr=1e-3)
+    try:
+        second.load_checkpoint(ckpt)
+        got, _ = second.compute_logprobs(seqs)
+    finally:
+        second.close()
+    d = float(np.abs(got - want).max())
+    moved = float(np.abs(want - lp0).max())
+    return Check("", d == 0.0 and moved > 0, f"max |lp loaded - lp saved| = {d:.1e} (== 0; the step moved lp by "
+                 f"{moved:.1e})", d)
+
+
+def check_replay(env: Env) -> Check:
+    import numpy as np
+
+    from megatron_bridge import replay
+    from megatron_bridge.model import ModelArch
+
+    path = model_path("moe", env)
+    arch = ModelArch.from_hf_dir(path)
+    seq = random_sequences(1, arch.vocab_size, 11, [60], seed=3)[0]
+    trainer = make_trainer(path, env, "float32")
+    try:
+        with replay.recording() as routes:
+            free, _ = trainer.compute_logprobs([seq], replay=False)
+        seq.routed_experts = np.stack([r.cpu().numpy() for r in routes], axis=1).astype(np.int32)
+        replayed, _ = trainer.compute_logprobs([seq], replay=True)
+    finally:
+        trainer.close()
+    same = bool(np.array_equal(free, replayed))
+    return Check("", same, f"replayed == free routing bitwise: {same} (max diff "
+                 f"{float(np.abs(free - replayed).max()):.1e}, {seq.routed_experts.shape[0]} tokens x "
+                 f"{arch.num_layers} layers)")
+
+
+def _peak_bytes(fn, env: Env) -> int:
+    """Peak memory above the level just before `fn()`: the CUDA allocator's peak on a GPU, resident memory on
+    CPU (Linux high-water mark, reset through /proc/self/clear_refs)."""
+    import ctypes
+    import gc
+
+    import torch
+
+    gc.collect()
+    if env.cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+    def kib(field_name):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(field_name + ":"))
+
+    before = kib("VmRSS")
+    fn()
+    return (kib("VmHWM") - before) * 1024
+
+
+def check_memory(env: Env, trainer, arch) -> Check:
+    import numpy as np
+
+    lengths = [2048, 4096, 8192, 16384, 32768] if not env.quick else [256, 512, 1024]
+    peaks = {}
+    for n in lengths:
+        seq = random_sequences(1, arch.vocab_size, n // 4, [n - n // 4 + 1], seed=n)[0]
+        seq.rollout_logprobs = np.zeros(seq.gen_ids.size, np.float32)
+        trainer.cfg.micro_batch_tokens = max(trainer.cfg.micro_batch_tokens, n)
+        peaks[n] = _peak_bytes(lambda s=seq: trainer.train_step([s]), env)
+    ratio = peaks[lengths[-1]] / max(peaks[lengths[0]], 1)
+    bound = 1.25 * lengths[-1] / lengths[0]
+    table = ", ".join(f"{n // 1024 if n >= 1024 else n}{'K' if n >= 1024 else ''}: {peaks[n] / 2**30:.2f} GiB"
+                      for n in lengths)
+    return Check("", ratio <= bound, f"train-step peak {table}; {lengths[-1]}/{lengths[0]} = {ratio:.1f}x "
+                 f"(<= {bound:.0f}x)", ratio, detail={"peak_bytes": {str(k): v for k, v in peaks.items()}})
+
+
+def check_verify(env: Env) -> Check:
+    import torch
+
+    from rollverify.verify import two_stage_verify
+
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 400, (64,), generator=g)
+    n = int(lengths.sum())
+    old = -torch.rand(n, generator=g, dtype=torch.float64) * 3
+    new = old + torch.randn(n, generator=g, dtype=torch.float64) * 0.05
+    versions = torch.cat([torch.sort(torch.randint(0, 4, (int(k),), generator=g)).values for k in lengths])
+    cpu = two_stage_verify(old, new, versions, lengths, d_s=0.02, d_t=2.0)
+    dev = two_stage_verify(*(t.to(env.device) for t in (old, new, versions, lengths)), d_s=0.02, d_t=2.0)
+    same_keep = torch.equal(cpu.keep_lengths, dev.keep_lengths.cpu()) and \
+        torch.equal(cpu.seq_keep_lengths, dev.seq_keep_lengths.cpu())
+    ops = (cpu.segment_mean_ops - dev.segment_mean_ops.cpu()).abs().nan_to_num(0).max().item()
+    return Check("", bool(same_keep and ops <= 1e-9), f"keep lengths equal: {same_keep}; max |segment OPS "
+                 f"diff| = {ops:.1e} (<= 1e-9); kept {cpu.kept_tokens}/{n} tokens on {env.device}", ops)
+
+
+def check_throughput(env: Env, trainer, arch, smoke: Smoke) -> None:
+    """ComputeProb tokens/s and the train step's MFU on the same batch."""
+    import numpy as np
+    import torch
+
+    n_seq, gen = (16, 1536) if not env.quick else (4, 100)
+    seqs = random_sequences(n_seq, arch.vocab_size, 512 if not env.quick else 20, [gen], seed=5)
+    tokens = sum(s.num_inputs for s in seqs)
+    params = sum(p.numel() for p in trainer.model.parameters())
+    trainer.compute_logprobs(seqs[:2])  # warm-up
+    state = {}
+
+    def computeprob() -> Check:
+        env.sync()
+        t = time.perf_counter()
+        lp, _ = trainer.compute_logprobs(seqs)
+        env.sync()
+        dt = time.perf_counter() - t
+        for s, a in zip(seqs, np.split(lp, np.cumsum([s.gen_ids.size for s in seqs])[:-1]), strict=True):
+            s.rollout_logprobs = a
+        state["lp"] = lp
+        return Check("", bool(np.isfinite(lp).all()), f"{tokens / dt:,.0f} tokens/s ({tokens} tokens, "
+                     f"{params / 1e6:.0f}M params, {dt:.2f} s)", tokens / dt)
+
+    def mfu() -> Check:
+        trainer.train_step(seqs)  # warm-up (optimizer state)
+        env.sync()
+        t = time.perf_counter()
+        m = trainer.train_step(seqs)
+        env.sync()
+        dt = time.perf_counter() - t
+        flops = 8.0 * params * tokens / dt
+        name = torch.cuda.get_device_name() if env.cuda else platform.processor() or "cpu"
+        peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+        figure = f"{flops / 1e12:.1f} TFLOP/s model FLOPs ({dt:.2f} s/step, {tokens} tokens)"
+        if peak:
+            figure += f", MFU {flops / peak:.1%} of {name}'s {peak / 1e12:.0f} TFLOP/s bf16"
+        ok = math.isfinite(m["grad_norm"]) and m["grad_norm"] > 0
+        return Check("", ok, figure, flops / peak if peak else None, detail={"grad_norm": m["grad_norm"],
+                                                                           "device_name": name})
+
+    smoke.run("computeprob_throughput", computeprob)
+    smoke.run("train_step_mfu", mfu)
+
+
+def check_train_step(env: Env, trainer, arch) -> Check:
+    import numpy as np
+
+    seqs = random_sequences(4, arch.vocab_size, 33, [200, 50, 400, 90], seed=4)
+    lp, _ = trainer.compute_logprobs(seqs)
+    for s, a in zip(seqs, np.split(lp, np.cumsum([s.gen_ids.size for s in seqs])[:-1]), strict=True):
+        s.rollout_logprobs = a
+    m = trainer.train_step(seqs)
+    g = m["grad_norm"]
+    return Check("", math.isfinite(g) and g > 0 and m["update_ok"] == 1.0,
+                 f"grad norm {g:.4g} (finite, > 0), loss {m['loss']:.4g}, dtype {trainer.dtype}", g)
+
+
+def forbidden_modules() -> list[str]:
+    """Modules loaded so far that part A may not need (see HEAVY_PACKAGES and PROJECT_MODULES)."""
+    bad = []
+    for m in sys.modules:
+        top = m.split(".")[0]
+        if top in HEAVY_PACKAGES:
+            bad.append(m)
+        elif top == "rollverify" and m not in PROJECT_MODULES:
+            bad.append(m)
+    return sorted(bad)
+
+
+def part_a(env: Env, smoke: Smoke) -> None:
+    import torch
+
+    from megatron_bridge.model import ModelArch
+
+    bf16 = "bfloat16"
+    for name in ("dense", "moe", "0p6b"):
+        smoke.run(f"parity_{name}_fp32", lambda n=name: check_parity(n, "float32", env))
+        smoke.run(f"parity_{name}_bf16", lambda n=name: check_parity(n, bf16, env))
+    smoke.run("checkpoint_roundtrip", lambda: check_checkpoint(env))
+    smoke.run("routing_replay_bitwise", lambda: check_replay(env))
+    smoke.run("verify_device_equals_cpu", lambda: check_verify(env))
+    if smoke.wants("train_step_bf16", "computeprob_throughput", "train_step_mfu", "memory_vs_length"):
+        path = model_path("0p6b", env)
+        arch = ModelArch.from_hf_dir(path)
+        trainer = make_trainer(path, env, bf16, logprob_chunk_tokens=1024)
+        try:
+            smoke.run("train_step_bf16", lambda: check_train_step(env, trainer, arch))
+            if smoke.wants("computeprob_throughput", "train_step_mfu"):
+                check_throughput(env, trainer, arch, smoke)
+            smoke.run("memory_vs_length", lambda: check_memory(env, trainer, arch))
+        finally:
+            trainer.close()
+            if env.cuda:
+                torch.cuda.empty_cache()
+    extra = forbidden_modules()
+    smoke.run("imports_part_a", lambda: Check("", not extra, "none of the project's other dependencies loaded "
+                                                             f"({', '.join(HEAVY_PACKAGES[:6])}, ...): "
+                                                             f"{extra or 'none'}"))
+
+
+# ---------------------------------------------------------------------------------------------- part B
+
+
+def part_b(env: Env, smoke: Smoke) -> None:
+    """SGLang on the device through the project's server (`rollverify serve`) and client, in bf16."""
+    from sglang_ext.launch import launch_server
+
+    path = model_path("dense", env)
+    dtype = "bfloat16" if env.cuda else "float32"
+    args = ["--dtype", dtype, "--mem-fraction-static", "0.3" if env.cuda else "0.05", "--max-total-tokens", "65536"]
+    server = None
+
+    def serve() -> Check:
+        nonlocal server
+        t = time.monotonic()
+        server = launch_server(path, args=args, log_path=env.workdir / "server.log")
+        return Check("", True, f"rollverify serve up at {server.endpoint} in {time.monotonic() - t:.1f} s "
+                     f"({dtype})", detail={"info": server.info})
+
+    smoke.run("serve", serve)
+    if server is None:
+        return
+    try:
+        smoke.run("pause_truncate_resume", lambda: asyncio.run(_pause_truncate_resume(server.endpoint)))
+        smoke.run("weight_update", lambda: asyncio.run(_weight_update(server.endpoint, env)))
+        smoke.run("logprob_floor_vs_d_s", lambda: asyncio.run(_logprob_floor(server.endpoint, path, env, dtype)))
+    finally:
+        server.stop()
+
+
+async def _pause_truncate_resume(endpoint: str) -> Check:
+    """Greedy: responses paused mid-way, cut (to 0 and to half) and resumed equal one continuous generation."""
+    import numpy as np
+
+    from sglang_ext.client import RolloutClient, SubmitRequest
+
+    greedy = {"temperature": 0.0, "ignore_eos": True}
+    prompt = [9, 10, 11, 12, 13]
+    async with RolloutClient([endpoint], poll_wait_s=0.2) as c:
+        await c.submit([SubmitRequest("ref", prompt, 200, sampling=greedy)])
+        await c.next_finished(120)
+        await c.submit([SubmitRequest(f"cut{k}", prompt, 200, sampling=greedy) for k in ("0", "half")])
+        await asyncio.sleep(0.05)
+        await c.pause()
+        n = len(c.responses["cuthalf"].token_ids)
+        await c.truncate({"cut0": 0, "cuthalf": n // 2})
+        await c.resume()
+        for _ in range(2):
+            await c.next_finished(120)
+        ref = c.responses["ref"]
+        same = {rid: float((c.responses[rid].token_ids == ref.token_ids).mean()) for rid in ("cut0", "cuthalf")}
+        lp = max(float(np.abs(c.responses[rid].logprobs - ref.logprobs).max()) for rid in same)
+    ok = all(v == 1.0 for v in same.values())
+    return Check("", ok, f"paused at {n} tokens, cut to 0 and {n // 2}, resumed: tokens equal to continuous "
+                 f"generation {same}; max |lp diff| {lp:.1e}", min(same.values()))
+
+
+async def _weight_update(endpoint: str, env: Env) -> Check:
+    """Push another model's weights (device tensors, as the trainer holds them) and see the engine use them:
+    later tokens carry the new version and their log-probs are the new model's."""
+    import numpy as np
+    import torch
+    from safetensors.torch import load_file
+
+    from rollverify.tiny_model import TinyModelSpec, ensure_tiny_model
+    from sglang_ext.client import RolloutClient, SubmitRequest
+
+    other = ensure_tiny_model(TinyModelSpec(seed=1, max_position_embeddings=40960))
+    tensors = sorted((k, v.to(env.device)) for k, v in load_file(str(other / "model.safetensors")).items())
+    buckets = [tensors[i::3] for i in range(3)]
+    prompt = np.array([20, 21, 22, 23], np.int64)
+    async with RolloutClient([endpoint], poll_wait_s=0.2) as c:
+        await c.pause()
+        t = time.perf_counter()
+        await c.update_weights(buckets, version=1)
+        dt = time.perf_counter() - t
+        await c.resume()
+        await c.submit([SubmitRequest("after", prompt, 48, sampling={"temperature": 1.0, "ignore_eos": True})])
+        out = await c.next_finished(120)
+    tr = out if hasattr(out, "versions") else c.responses["after"]
+    ref = hf_logprobs(str(other), [_as_train_sequence(prompt, tr.token_ids)], env, torch.float32)[0]
+    d = float(np.abs(ref - tr.logprobs).mean())
+    ok = bool((tr.versions == 1).all()) and d < 2e-2
+    size = sum(v.numel() * v.element_size() for _, v in tensors)
+    return Check("", ok, f"{size / 2**20:.1f} MiB in 3 buckets in {dt:.2f} s; versions after: "
+                 f"{sorted(set(tr.versions.tolist()))}; mean |engine lp - new model (transformers fp32)| = "
+                 f"{d:.1e} (< 2e-2)", d)
+
+
+def _as_train_sequence(prompt, tokens):
+    from megatron_bridge.batch import TrainSequence
+
+    return TrainSequence(prompt, tokens)
+
+
+async def _logprob_floor(endpoint: str, path: str, env: Env, dtype: str, d_s: float = 0.02) -> Check:
+    """The engine-versus-trainer log-prob gap at equal weights (both in `dtype`): the OPS floor a verification
+    threshold d_s must stay above, or responses are cut for numerics alone."""
+    import numpy as np
+
+    from sglang_ext.client import RolloutClient, SubmitRequest
+
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(4, 128, 16) for _ in range(32)]
+    async with RolloutClient([endpoint], poll_wait_s=0.2) as c:
+        await c.submit([SubmitRequest(f"f{i}", p, 128, sampling={"temperature": 1.0, "ignore_eos": True})
+                        for i, p in enumerate(prompts)])
+        for _ in prompts:
+            await c.next_finished(300)
+        outs = [c.responses[f"f{i}"] for i in range(len(prompts))]
+    seqs = [_as_train_sequence(p, o.token_ids) for p, o in zip(prompts, outs, strict=True)]
+    trainer = make_trainer(path, env, dtype)
+    try:
+        lp, _ = trainer.compute_logprobs(seqs)
+    finally:
+        trainer.close()
+    engine = np.concatenate([o.logprobs for o in outs]).astype(np.float64)
+    ops = np.abs(np.expm1(lp.astype(np.float64) - engine))
+    per_response = [float(x.mean()) for x in np.split(ops, np.cumsum([o.token_ids.size for o in outs])[:-1])]
+    above = float(np.mean([m >= d_s for m in per_response]))
+    return Check("", above == 0.0, f"token OPS mean {ops.mean():.2e}, p99 {np.quantile(ops, 0.99):.2e}; response "
+                 f"mean OPS max {max(per_response):.2e} vs d_s = {d_s}: {above:.0%} of responses at or above",
+                 float(ops.mean()), detail={"response_mean_ops": per_response})
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--part", choices=["A", "B", "AB"], default="A")
+    p.add_argument("--device", default="cuda", help="cuda (cuda:N) or cpu (a dry run of the logic)")
+    p.add_argument("--quick", action="store_true", help="small shapes (the 0.6B model cut down, short lengths)")
+    p.add_argument("--budget-s", type=float, default=450.0, help="checks not started by then are skipped")
+    p.add_argument("--checks", default=None, help="comma list: run only these checks (default: all of the part)")
+    p.add_argument("--json", default="gpu_smoke.json")
+    p.add_argument("--workdir", default=None, help="models and checkpoints go here (default: a temp folder)")
+    args = p.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    import torch
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("FAIL setup: no CUDA device visible (use --device cpu --quick for a dry run)", flush=True)
+        return 2
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="rollverify-gpu-smoke-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("ROLLVERIFY_CACHE", str(workdir / "cache"))  # the models made here stay here
+    env = Env(args.device, args.quick, workdir)
+    smoke = Smoke(args.budget_s, set(args.checks.split(",")) if args.checks else None)
+    t0 = time.monotonic()
+    if "A" in args.part:
+        part_a(env, smoke)
+    if "B" in args.part:
+        part_b(env, smoke)
+    failed = [c.name for c in smoke.checks if c.passed is False]
+    info = {"python": platform.python_version(), "torch": torch.__version__, "device": args.device,
+            "device_name": torch.cuda.get_device_name() if env.cuda else platform.processor(),
+            "quick": args.quick, "part": args.part, "seconds": time.monotonic() - t0}
+    for mod in ("transformers", "megatron.core"):
+        try:
+            info[mod] = __import__(mod, fromlist=["__version__"]).__version__
+        except Exception:  # noqa: BLE001 - a version string is informational
+            info[mod] = None
+    Path(args.json).write_text(json.dumps({"info": info, "checks": [asdict(c) for c in smoke.checks]}, indent=1)
+                               + "\n")
+    print(f"{'FAIL' if failed else 'PASS'} all: {len(smoke.checks) - len(failed)}/{len(smoke.checks)} checks "
+          f"passed or skipped in {info['seconds']:.0f} s; wrote {args.json}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
