@@ -5,8 +5,8 @@ refuses packed (THD) input. `PackedCoreAttention` replaces it in the layer spec 
 from `PackedSeqParams` (`qkv_format="thd"`, `cu_seqlens`): query `[T, heads, dim]`, key/value
 `[T, groups, dim]`, causal inside each sequence and nothing across sequences. No `[s, s]` tensor exists:
 
-- CUDA with FlashAttention installed: `flash_attn_varlen_func` over the whole pack (one kernel).
-- Otherwise (CUDA without it, and CPU): torch's `scaled_dot_product_attention` per sequence with
+- CUDA, bf16 / fp16, FlashAttention installed: `flash_attn_varlen_func` over the whole pack (one kernel).
+- Otherwise (float32, CUDA without it, and CPU): torch's `scaled_dot_product_attention` per sequence with
   `is_causal=True`; on CUDA torch picks its flash / memory-efficient kernels, on CPU its flash CPU kernel,
   all of which keep O(s) state (log-sum-exp) for the backward instead of the score matrix.
 
@@ -78,7 +78,7 @@ class PackedCoreAttention(MegatronModule):
                 not torch.equal(packed_seq_params.cu_seqlens_kv, cu):
             raise ValueError("self-attention over packed sequences needs cu_seqlens_kv == cu_seqlens_q")
         t = query.shape[0]
-        flash = _flash_varlen() if query.is_cuda else None
+        flash = _flash_varlen() if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) else None
         if flash is not None:
             cu32 = cu.to(device=query.device, dtype=torch.int32)
             m = int(packed_seq_params.max_seqlen_q)
