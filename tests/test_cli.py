@@ -323,3 +323,9 @@ def test_making_a_tiny_model_prints_its_warm_start_and_no_shard_bar(tmp_path, mo
     assert re.fullmatch(r"\[rollverify\] warm start: countdown_short, 2 steps, final loss \d+\.\d{3} \(\d+\.\d s\)",
                         lines[1])
     assert "Writing model shards" not in err + out
+
+
+def test_make_tiny_model_refuses_a_task_it_cannot_warm_start_on(tmp_path, capsys):
+    assert main(["make-tiny-model", "--out", str(tmp_path / "m"), "--task", "math"]) == 2
+    assert "--task 'math': not a synthetic task; choose one of countdown" in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()
