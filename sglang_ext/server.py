@@ -765,8 +765,7 @@ class ControlServer:
         for name, (spec, raw) in msg.frames.items():
             dt = getattr(torch, spec.dtype)
             t = torch.frombuffer(bytearray(raw), dtype=dt) if raw.nbytes else torch.zeros(0, dtype=dt)
-            # one float64 sum per tensor: finite exactly when every value is (no finite float32 sum overflows it)
-            if t.numel() and not math.isfinite(float(t.sum(dtype=torch.float64))):
+            if not _finite(t):
                 problems.append(f"weight {name!r} holds non-finite values (NaN or inf)")
             out.append((name, t.reshape(spec.shape)))
         if problems:
@@ -896,6 +895,17 @@ class ControlServer:
 
 def _part(arr: np.ndarray | None, sl: slice) -> np.ndarray | None:
     return None if arr is None else arr[sl]
+
+
+def _finite(t: Any) -> bool:
+    """Whether every value of a float tensor is finite. One sum in the tensor's own dtype (a vectorized pass, ~30 ms
+    for 200 MB): NaN or inf anywhere makes it non-finite; only then the exact check, since a sum of finite values
+    can overflow (float16 above 65504)."""
+    import torch
+
+    if not t.numel() or math.isfinite(float(t.sum())):
+        return True
+    return bool(torch.isfinite(t).all())
 
 
 def _short_path(path: str) -> str:

@@ -477,6 +477,9 @@ def test_replies_and_schemas_follow_the_doc():
             nan[3, 4] = np.nan
             code, m = err("update_weights", {"version": 1}, [("lm_head.weight", nan)])
             assert code == "WEIGHT_INVALID" and "non-finite" in m and s.engine.updates == []
+            big = np.full((128, 8), 60000, np.float16)  # finite, though its float16 sum overflows
+            assert w.ok("update_weights", {"version": 1}, [("lm_head.weight", big)])["committed"]
+            assert s.engine.updates == [1]
             # replies: every documented buffer, even in an empty batch (MoE: routes too)
             w.ok("drop", {"all": True})
             for typ in ("events", "pause", "fetch"):
