@@ -112,9 +112,9 @@ def test_loss_normalises_by_tokens_not_by_weights():
     trainer.close()
 
 
-@pytest.mark.parametrize("kind", ["gspo", "sapo"])
+@pytest.mark.parametrize("kind", ["gspo", "sapo", "vespo"])
 def test_alternative_losses_step_and_normalise_like_rollverify(kind):
-    """GSPO (sequence-mean) and SAPO (token-mean) through Megatron's normalisation equal rollverify.losses on
+    """GSPO and SAPO (seq-mean-token-mean) and VESPO (token-mean) through Megatron's normalisation equal rollverify.losses on
     the whole batch at once, whatever the micro-batching."""
     from megatron_bridge.trainer import LossConfig
     from rollverify import losses
@@ -128,14 +128,11 @@ def test_alternative_losses_step_and_normalise_like_rollverify(kind):
     roll = t([s.rollout_logprobs for s in seqs])
     adv = t([np.full(s.gen_ids.size, s.advantage, np.float32) for s in seqs])
     mask = torch.ones_like(lp)
-    if kind == "sapo":
-        ref, _ = losses.sapo_loss(lp, old_t, adv, mask, rollout_logprobs=roll)
-    else:
-        counts = [s.gen_ids.size for s in seqs]
-        from megatron_bridge.policy_loss import _padded
+    counts = [s.gen_ids.size for s in seqs]
+    from megatron_bridge.policy_loss import _padded
 
-        ref, _ = losses.gspo_loss(*(_padded(x, counts) for x in (lp, old_t, adv, mask)),
-                                  rollout_logprobs=_padded(roll, counts))
+    fn = {"gspo": losses.gspo_loss, "sapo": losses.sapo_loss, "vespo": losses.vespo_loss}[kind]
+    ref, _ = fn(*(_padded(x, counts) for x in (lp, old_t, adv, mask)), rollout_logprobs=_padded(roll, counts))
     assert got["loss"] == pytest.approx(float(ref), abs=1e-5)
     m = trainer.train_step(seqs)
     assert np.isfinite(m["loss"]) and m["grad_norm"] > 0
