@@ -323,11 +323,11 @@ def cli_main(argv: list[str] | None = None) -> int:
     try:  # what the user gave is checked before any server or trainer starts and before anything is written
         cfg = load_config(a.config, a.overrides)
         cfg.check_paths()
+        if not a.overwrite:  # cheap, so first; with --overwrite, train() checks the folder and then clears it
+            rundir.claim(out, resume=a.resume)
         from rollverify.plan import check as check_plan
 
         check_plan(cfg)  # what `rollverify plan` refuses stops here (train() checks again for API callers)
-        if not a.overwrite:  # with --overwrite, train() checks the folder and then clears it
-            rundir.claim(out, resume=a.resume)
         summary = train(cfg, out, a.resume, progress=not a.no_progress, overwrite=a.overwrite)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
