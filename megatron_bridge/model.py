@@ -11,6 +11,7 @@ exactly what it would see alone (as in the engine).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,10 +46,25 @@ class ModelArch:
     top_k: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    # YaRN RoPE scaling (HF rope_type "yarn"); yarn_factor 0: plain RoPE
+    yarn_factor: float = 0.0
+    yarn_original_max_position_embeddings: int = 0
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_attention_factor: float = 1.0  # the factor on cos / sin (HF's attention_factor, resolved)
+    yarn_truncate: bool = True
 
     @property
     def moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def context_length(self) -> int:
+        """Longest sequence the model is configured for (YaRN: factor x the original context, if longer)."""
+        if self.yarn_factor:
+            return max(self.max_position_embeddings,
+                       int(self.yarn_factor * self.yarn_original_max_position_embeddings))
+        return self.max_position_embeddings
 
     @staticmethod
     def from_hf_dir(path: str | Path) -> ModelArch:
@@ -66,8 +82,9 @@ class ModelArch:
                 f"unsupported architecture {arch!r} (model_type {cfg.get('model_type')!r}); "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-            raise UnsupportedCheckpoint(f"RoPE scaling {rope} is not supported (only default RoPE)")
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "yarn", None):
+            raise UnsupportedCheckpoint(f"RoPE scaling {rope} is not supported (default RoPE or YaRN)")
         if cfg.get("use_sliding_window"):
             raise UnsupportedCheckpoint("sliding-window attention is not supported")
         heads = cfg["num_attention_heads"]
@@ -85,6 +102,7 @@ class ModelArch:
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", False)),
+            **(_yarn_fields(rope, cfg.get("max_position_embeddings", 4096)) if rope_type == "yarn" else {}),
         )
         if cfg.get("hidden_act", "silu") != "silu":
             raise UnsupportedCheckpoint(f"hidden_act {cfg.get('hidden_act')!r} is not supported (silu only)")
@@ -104,6 +122,43 @@ class ModelArch:
     @property
     def num_moe_layers(self) -> int:
         return self.num_layers if self.moe else 0
+
+
+def _yarn_fields(rope: dict, max_positions: int) -> dict:
+    """ModelArch's YaRN fields from HF's rope parameters, with transformers' defaults and its attention factor."""
+    original = rope.get("original_max_position_embeddings")
+    if not original:
+        raise UnsupportedCheckpoint(f"YaRN RoPE {rope} has no original_max_position_embeddings")
+    factor = rope.get("factor") or max_positions / original
+    if factor < 1:
+        raise UnsupportedCheckpoint(f"YaRN factor {factor} < 1 is not supported")
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:
+        def mscale(m: float = 1.0) -> float:
+            return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+        m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
+        attention_factor = mscale(m) / mscale(m_all) if m and m_all else mscale()
+    if factor == 1 and attention_factor != 1:
+        raise UnsupportedCheckpoint(f"YaRN with factor 1 and attention_factor {attention_factor} is not supported")
+    return dict(yarn_factor=float(factor), yarn_original_max_position_embeddings=int(original),
+                yarn_beta_fast=float(rope.get("beta_fast") or 32), yarn_beta_slow=float(rope.get("beta_slow") or 1),
+                yarn_attention_factor=float(attention_factor), yarn_truncate=bool(rope.get("truncate", True)))
+
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+def recompute_options(recompute: str, moe: bool) -> dict:
+    """TransformerConfig fields for an activation-recompute setting (see `transformer_config`)."""
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
+    if recompute == "selective":
+        return dict(recompute_granularity="selective",
+                    recompute_modules=["core_attn"] if moe else ["core_attn", "mlp"])
+    if recompute == "full":
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    return {}
 
 
 def check_layout(arch: ModelArch, *, tp: int = 1, ep: int = 1, pp: int = 1) -> None:
@@ -127,8 +182,13 @@ def check_layout(arch: ModelArch, *, tp: int = 1, ep: int = 1, pp: int = 1) -> N
 
 def transformer_config(arch: ModelArch, *, tp: int = 1, ep: int = 1, pp: int = 1, etp: int = 1,
                        sequence_parallel: bool = False, dtype: torch.dtype = torch.float32,
-                       routing_replay: bool = True, dispatcher: str = "alltoall", init_weights: bool = False):
-    """TransformerConfig equivalent to `arch` (fusions off: they need TE/apex or CUDA)."""
+                       routing_replay: bool = True, dispatcher: str = "alltoall", init_weights: bool = False,
+                       recompute: str = "none"):
+    """TransformerConfig equivalent to `arch` (fusions off: they need TE/apex or CUDA).
+
+    recompute: "none"; "selective" (Megatron-Core's selective recompute of core attention, and of the MLP of a
+    dense model); "full" (every layer keeps only its input and is recomputed in the backward).
+    """
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
@@ -169,6 +229,7 @@ def transformer_config(arch: ModelArch, *, tp: int = 1, ep: int = 1, pp: int = 1
         attention_softmax_in_fp32=True,
         variable_seq_lengths=pp > 1,  # packed rows differ in length; PP must communicate shapes
         moe_token_dispatcher_type=dispatcher,
+        **recompute_options(recompute, arch.moe),
     )
     if arch.moe:
         kw.update(
@@ -184,7 +245,20 @@ def transformer_config(arch: ModelArch, *, tp: int = 1, ep: int = 1, pp: int = 1
             moe_enable_routing_replay=routing_replay,
             moe_permute_fusion=False,
         )
-    return TransformerConfig(**kw)
+    config = TransformerConfig(**kw)
+    if arch.yarn_factor:
+        # read by GPTModel (position_embedding_type="yarn") and by attention's cos / sin scale; not dataclass
+        # fields in Megatron-Core 0.16.1. The concentration factor there is mscale(f, m) / mscale(f, 0) =
+        # 0.1 m ln f + 1, so m is chosen to give HF's attention factor.
+        f = arch.yarn_factor
+        config.yarn_rotary_scaling_factor = f
+        config.yarn_original_max_position_embeddings = arch.yarn_original_max_position_embeddings
+        config.yarn_beta_fast = arch.yarn_beta_fast
+        config.yarn_beta_slow = arch.yarn_beta_slow
+        config.yarn_mscale = (arch.yarn_attention_factor - 1.0) / (0.1 * math.log(f)) if f > 1 else 0.0
+        config.yarn_mscale_all_dim = 0.0
+        config.yarn_correction_range_round_to_int = arch.yarn_truncate
+    return config
 
 
 def build_model(arch: ModelArch, config, *, pre_process: bool | None = None, post_process: bool | None = None):
@@ -218,7 +292,7 @@ def build_model(arch: ModelArch, config, *, pre_process: bool | None = None, pos
         post_process=post_process,
         parallel_output=True,
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
-        position_embedding_type="rope",
+        position_embedding_type="yarn" if arch.yarn_factor else "rope",
         rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
     )
     if not config.perform_initialization:

@@ -39,6 +39,7 @@ from megatron_bridge.model import (
     build_model,
     check_layout,
     packed_forward,
+    recompute_options,
     transformer_config,
     unwrap,
 )
@@ -85,7 +86,8 @@ class TrainerConfig:
     optimizer: str = "adam"  # adam | sgd
     micro_batch_tokens: int = 4096
     logprob_chunk_tokens: int = 1024  # rows of [tokens x vocab/tp] logits alive at once (logprobs.py)
-    max_seq_len: int = 0  # longest sequence (prompt + generated - 1 inputs) accepted; 0: the model's context
+    recompute: str = "none"  # activation recompute: none | selective | full (model.transformer_config)
+    max_seq_len: int = 0  # longest sequence (prompt + generated - 1 inputs) accepted; 0: ModelArch.context_length
     replay_verify: bool = False  # see megatron_bridge.replay for why free routing verifies
     replay_train: bool = True  # R3 for the old-log-prob recompute and the training forward
     temperature: float = 1.0
@@ -158,6 +160,10 @@ class MegatronTrainer:
         if cfg.max_seq_len < 0 or cfg.logprob_chunk_tokens < 1:
             raise ValueError(f"max_seq_len must be >= 0 (0: the model's context) and logprob_chunk_tokens >= 1; "
                              f"got {cfg.max_seq_len} and {cfg.logprob_chunk_tokens}")
+        if cfg.recompute != "none" and self.arch.moe and cfg.replay_train:
+            raise ValueError(f"recompute={cfg.recompute!r} with MoE routing replay is not supported: the recomputed "
+                             f"forward would route freely; set recompute='none' or replay_train=False")
+        recompute_options(cfg.recompute, self.arch.moe)  # a bad value fails here, before any process group
         self.pcfg = ParallelConfig(tp=cfg.tp, ep=cfg.ep, pp=cfg.pp)
         init_parallel(self.pcfg, device=self.device.type, seed=cfg.seed)
         from megatron.core import parallel_state as ps
@@ -166,7 +172,8 @@ class MegatronTrainer:
         self.dp = ps.get_data_parallel_world_size()
         self.dp_rank = ps.get_data_parallel_rank()
         self.layout = convert.Layout.current()
-        self.tconfig = transformer_config(self.arch, tp=cfg.tp, ep=cfg.ep, pp=cfg.pp, dtype=self.dtype)
+        self.tconfig = transformer_config(self.arch, tp=cfg.tp, ep=cfg.ep, pp=cfg.pp, dtype=self.dtype,
+                                          recompute=cfg.recompute)
         self.tconfig.calculate_per_token_loss = True
         model = build_model(self.arch, self.tconfig)
         if self.device.type == "cuda":
@@ -384,7 +391,7 @@ class MegatronTrainer:
     @property
     def max_seq_len(self) -> int:
         """Longest sequence (model inputs: prompt + generated - 1) the trainer accepts."""
-        return self.cfg.max_seq_len or self.arch.max_position_embeddings
+        return self.cfg.max_seq_len or self.arch.context_length
 
     def _check_batch(self, seqs: list[TrainSequence]) -> None:
         """Every rank checks the whole batch before any forward: too long a sequence, or a token outside the
@@ -395,8 +402,8 @@ class MegatronTrainer:
                 raise ValueError(
                     f"sequence {i} has {s.prompt_ids.size} prompt + {s.gen_ids.size} generated tokens = "
                     f"{s.num_inputs} model inputs, more than the trainer's context of {limit} (trainer "
-                    f"max_seq_len={self.cfg.max_seq_len}, model max_position_embeddings="
-                    f"{self.arch.max_position_embeddings}): shorten the response or raise max_seq_len")
+                    f"max_seq_len={self.cfg.max_seq_len}, model context {self.arch.context_length}): shorten "
+                    f"the response or raise max_seq_len")
             lo = min(int(s.prompt_ids.min()), int(s.gen_ids.min()))
             hi = max(int(s.prompt_ids.max()), int(s.gen_ids.max()))
             if lo < 0 or hi >= self.arch.vocab_size:

@@ -127,6 +127,9 @@ class TrainerConfig:
     micro_batch_tokens: int = _f(4096, ge=1)  # packed tokens per micro-batch
     replay_verify: bool = False  # MoE: replay the engine's routes when computing log-probs for verification
     replay_train: bool = True  # MoE: routing replay (R3) for the old-log-prob recompute and the training step
+    recompute: Literal["none", "selective", "full"] = "none"  # activation recompute in the training backward
+    logprob_chunk_tokens: int = _f(1024, ge=1)  # tokens whose [tokens x vocab/tp] logits exist at once
+    max_seq_len: int = _f(0, ge=0)  # most model inputs (prompt + response - 1) per sequence; 0: the model context
 
     @property
     def loss_kind(self) -> str:
@@ -319,6 +322,9 @@ class RunConfig:
             raise ConfigError("trainer.ep: expert parallelism needs an MoE model (model.moe: true)")
         if t.min_lr > t.lr:
             raise ConfigError(f"trainer.min_lr: must be <= trainer.lr ({t.lr}), got {t.min_lr}")
+        if t.recompute != "none" and t.replay_train and m.path is None and m.moe:
+            raise ConfigError(f"trainer.recompute: {t.recompute!r} with MoE routing replay is not supported (the "
+                              "recomputed forward would route freely); set it to none or trainer.replay_train=false")
         self._check_cluster()
         if self.log.wandb and importlib.util.find_spec("wandb") is None:
             raise ConfigError(

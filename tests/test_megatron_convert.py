@@ -44,6 +44,32 @@ def test_world_size_1_logits_parity_and_bit_exact_export(variant):
     assert _roundtrip_errors(model, arch, path) == []
 
 
+def test_yarn_rope_scaling_from_the_hf_config_matches_transformers(tmp_path):
+    """Qwen3's long-context YaRN (rope_type "yarn"): default and explicit attention factor, sequences past the
+    original context."""
+    from megatron_bridge.model import ModelArch, PackedSequences, packed_forward
+
+    seqs = [torch.randint(4, 128, (n,), generator=torch.Generator().manual_seed(n)) for n in (150, 40, 7)]
+    plain = hf_logits(tiny_path(), seqs)
+    for extra in ({}, {"attention_factor": 1.3, "beta_fast": 16.0}):
+        path = tmp_path / f"yarn{len(extra)}"
+        shutil.copytree(tiny_path(), path)
+        cfg = json.loads((path / "config.json").read_text())
+        cfg["max_position_embeddings"] = 192
+        cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 48,
+                                  "rope_theta": 10000.0, **extra}
+        (path / "config.json").write_text(json.dumps(cfg))
+        model, arch = _build(path)
+        assert arch.context_length == 192 and arch.yarn_factor == 4.0
+        with torch.no_grad():
+            logits = packed_forward(model, PackedSequences.pack(seqs))[0]
+        assert (logits - hf_logits(path, seqs)).abs().max().item() < 1e-4
+        assert (logits - plain).abs().max().item() > 1e-2  # the scaling is really applied
+    cfg["rope_parameters"] = {"rope_type": "longrope", "factor": 4.0}
+    with pytest.raises(ValueError, match="default RoPE or YaRN"):
+        ModelArch.from_hf_config(cfg)
+
+
 @pytest.mark.parametrize(("tp", "ep", "moe"), [(2, 1, False), (1, 2, True)], ids=["tp2-dense", "ep2-moe"])
 def test_world_size_2_logits_parity_and_bit_exact_export(tp, ep, moe):
     ref = hf_logits(tiny_path(moe=moe), [s[:-1] for s in fixed_tokens(3)])

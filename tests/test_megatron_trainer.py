@@ -195,6 +195,27 @@ def test_bad_input_fails_before_any_forward_naming_the_numbers(dense):
         _trainer(tiny_path(), pp=4)  # refused before any process group or model is built
 
 
+def test_activation_recompute_changes_no_figure():
+    """selective and full recompute give the step of no recompute exactly (memory: tools/bench_trainer.py)."""
+    from megatron_bridge.trainer import MegatronTrainer, TrainerConfig
+
+    results = {}
+    for recompute in ("none", "selective", "full"):
+        seqs = _rl_batch(tiny_path())
+        trainer = _trainer(tiny_path(), lr=1e-2, recompute=recompute)
+        assert trainer.tconfig.recompute_granularity == (None if recompute == "none" else recompute)
+        m = trainer.train_step(seqs)
+        results[recompute] = (m["loss"], m["grad_norm"], trainer.compute_logprobs(seqs)[0])
+        trainer.close()
+    for recompute in ("selective", "full"):
+        assert results[recompute][:2] == pytest.approx(results["none"][:2], rel=1e-6, abs=1e-7)
+        assert np.abs(results[recompute][2] - results["none"][2]).max() < 1e-6
+    with pytest.raises(ValueError, match="recompute='full' with MoE routing replay is not supported"):
+        MegatronTrainer(tiny_path(moe=True), TrainerConfig(recompute="full"))
+    with pytest.raises(ValueError, match="recompute must be one of none, selective, full"):
+        MegatronTrainer(tiny_path(), TrainerConfig(recompute="some"))
+
+
 # ------------------------------------------------------------------------------------ world size 2
 
 

@@ -137,7 +137,7 @@ def _peak_during(fn) -> tuple[int, object]:
     return (_rss_kib("VmHWM") - before) * 1024, out
 
 
-def _memory_worker(model: str, tokens: int, threads: int) -> dict:
+def _memory_worker(model: str, tokens: int, threads: int, recompute: str = "none") -> dict:
     """One (model, tokens per sequence) point in a fresh process: ComputeProb, then a train step, on one
     sequence of `tokens` inputs (a quarter prompt)."""
     import torch
@@ -153,7 +153,7 @@ def _memory_worker(model: str, tokens: int, threads: int) -> dict:
     path = ensure_tiny_model(TinyModelSpec(**MEMORY_MODELS[model]))
     arch = ModelArch.from_hf_dir(path)
     trainer = MegatronTrainer(path, TrainerConfig(micro_batch_tokens=tokens, lr=1e-5, device="cpu",
-                                                  dtype="float32"))
+                                                  dtype="float32", recompute=recompute))
     rng = np.random.default_rng(0)
     prompt = tokens // 4
     seq = TrainSequence(rng.integers(4, arch.vocab_size, prompt), rng.integers(4, arch.vocab_size, tokens - prompt + 1),
@@ -169,7 +169,7 @@ def _memory_worker(model: str, tokens: int, threads: int) -> dict:
         t_step = time.perf_counter() - t
     finally:
         trainer.close()
-    return {"model": model, "tokens": tokens, "params_M": _param_count(arch) / 1e6,
+    return {"model": model, "tokens": tokens, "recompute": recompute, "params_M": _param_count(arch) / 1e6,
             "hidden": arch.hidden_size, "layers": arch.num_layers, "vocab": arch.vocab_size,
             "computeprob_peak_MiB": lp_peak / 2**20, "train_step_peak_MiB": step_peak / 2**20,
             "computeprob_s": t_lp, "train_step_s": t_step, "grad_norm": metrics["grad_norm"]}
@@ -185,7 +185,7 @@ def bench_memory(args) -> list[dict]:
     for model in args.memory_models.split(","):
         for tokens in (int(x) for x in args.lengths.split(",")):
             with ctx.Pool(1) as pool:
-                rows.append(pool.apply(_memory_worker, (model, tokens, args.threads)))
+                rows.append(pool.apply(_memory_worker, (model, tokens, args.threads, args.recompute)))
             r = rows[-1]
             print(f"{model:>5} {tokens:>6} tokens: ComputeProb peak {r['computeprob_peak_MiB']:8.1f} MiB "
                   f"({r['computeprob_s']:.1f} s), train step peak {r['train_step_peak_MiB']:8.1f} MiB "
@@ -221,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--memory", action="store_true", help="peak memory vs tokens per sequence instead (CPU)")
     p.add_argument("--memory-models", default="tiny,wide", help=f"with --memory: of {', '.join(MEMORY_MODELS)}")
     p.add_argument("--lengths", default="1024,2048,4096,8192,16384", help="with --memory: tokens per sequence")
+    p.add_argument("--recompute", default="none", help="with --memory: activation recompute (none|selective|full)")
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore")
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")

@@ -458,7 +458,7 @@ def part_b(env: Env, smoke: Smoke) -> None:
         return
     try:
         smoke.run("pause_truncate_resume", lambda: asyncio.run(_pause_truncate_resume(server.endpoint)))
-        smoke.run("weight_update", lambda: asyncio.run(_weight_update(server.endpoint, env)))
+        smoke.run("weight_update", lambda: asyncio.run(_weight_update(server.endpoint, path, env)))
         smoke.run("logprob_floor_vs_d_s", lambda: asyncio.run(_logprob_floor(server.endpoint, path, env, dtype)))
     finally:
         server.stop()
@@ -476,9 +476,13 @@ async def _pause_truncate_resume(endpoint: str) -> Check:
         await c.submit([SubmitRequest("ref", prompt, 200, sampling=greedy)])
         await c.next_finished(120)
         await c.submit([SubmitRequest(f"cut{k}", prompt, 200, sampling=greedy) for k in ("0", "half")])
-        await asyncio.sleep(0.05)
-        await c.pause()
-        n = len(c.responses["cuthalf"].token_ids)
+        for _ in range(200):  # pause once both hold >= 20 tokens
+            await asyncio.sleep(0.02)
+            await c.pause()
+            n = len(c.responses["cuthalf"].token_ids)
+            if min(n, len(c.responses["cut0"].token_ids)) >= 20:
+                break
+            await c.resume()
         await c.truncate({"cut0": 0, "cuthalf": n // 2})
         await c.resume()
         for _ in range(2):
@@ -491,9 +495,9 @@ async def _pause_truncate_resume(endpoint: str) -> Check:
                  f"generation {same}; max |lp diff| {lp:.1e}", min(same.values()))
 
 
-async def _weight_update(endpoint: str, env: Env) -> Check:
+async def _weight_update(endpoint: str, path: str, env: Env) -> Check:
     """Push another model's weights (device tensors, as the trainer holds them) and see the engine use them:
-    later tokens carry the new version and their log-probs are the new model's."""
+    later tokens carry the new version and their log-probs are the new model's; then `path`'s weights again."""
     import numpy as np
     import torch
     from safetensors.torch import load_file
@@ -512,8 +516,11 @@ async def _weight_update(endpoint: str, env: Env) -> Check:
         dt = time.perf_counter() - t
         await c.resume()
         await c.submit([SubmitRequest("after", prompt, 48, sampling={"temperature": 1.0, "ignore_eos": True})])
-        out = await c.next_finished(120)
-    tr = out if hasattr(out, "versions") else c.responses["after"]
+        await c.next_finished(120)
+        tr = c.responses["after"]
+        await c.pause()
+        await c.update_weights_from_disk(path, version=2)  # back to the served model for the checks after
+        await c.resume()
     ref = hf_logprobs(str(other), [_as_train_sequence(prompt, tr.token_ids)], env, torch.float32)[0]
     d = float(np.abs(ref - tr.logprobs).mean())
     ok = bool((tr.versions == 1).all()) and d < 2e-2
