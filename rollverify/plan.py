@@ -145,6 +145,7 @@ class TrainerLayout:
     recompute: str = "none"  # none | selective | full
     micro_batch_tokens: int = 4096
     logprob_chunk_tokens: int = 1024
+    replay_train: bool = True  # MoE routing replay in the training forward
 
     @property
     def world_size(self) -> int:
@@ -153,27 +154,28 @@ class TrainerLayout:
     @staticmethod
     def of(cfg: RunConfig) -> TrainerLayout:
         t = cfg.trainer
-        # etp, cp, sequence parallel and recompute are not trainer options yet: the trainer runs them at 1/off.
-        return TrainerLayout(tp=t.tp, pp=t.pp, dp=t.dp, ep=t.ep, micro_batch_tokens=t.micro_batch_tokens)
+        # etp, cp and sequence parallelism are not trainer options yet: the trainer runs them at 1 / off.
+        return TrainerLayout(tp=t.tp, pp=t.pp, dp=t.dp, ep=t.ep, recompute=t.recompute,
+                             micro_batch_tokens=t.micro_batch_tokens, logprob_chunk_tokens=t.logprob_chunk_tokens,
+                             replay_train=t.replay_train)
 
 
 def layout_problems(a: ModelArch, lay: TrainerLayout) -> list[str]:
-    """What the trainer refuses for this model (megatron_bridge.model.transformer_config, parallel.py, trainer)."""
+    """What the trainer refuses for this model: `megatron_bridge.model.check_layout` (what divides what) and the
+    rules of `megatron_bridge.trainer.MegatronTrainer` that depend on the architecture."""
+    from megatron_bridge.model import UnsupportedCheckpoint, check_layout
+
     out = []
-    if a.num_heads % lay.tp or a.num_kv_heads % lay.tp:
-        out.append(f"trainer.tp = {lay.tp} does not divide the {a.num_heads} attention / {a.num_kv_heads} KV heads")
-    if a.vocab_size % lay.tp:
-        out.append(f"trainer.tp = {lay.tp} does not divide vocab_size {a.vocab_size}")
-    if a.num_layers % lay.pp:
-        out.append(f"trainer.pp = {lay.pp} does not divide the {a.num_layers} layers")
-    if a.moe:
-        if a.num_experts % lay.ep:
-            out.append(f"trainer.ep = {lay.ep} does not divide the {a.num_experts} experts")
-        if lay.tp > 1 and not MOE_TENSOR_PARALLEL:
-            out.append(f"trainer.tp = {lay.tp}: the trainer refuses MoE with tp > 1; set trainer.tp=1 and split "
-                       f"the experts with trainer.ep (e.g. ep={math.gcd(a.num_experts, 8)}), dp = GPUs / pp")
-    elif lay.ep > 1:
-        out.append(f"trainer.ep = {lay.ep}: expert parallelism needs an MoE model")
+    try:
+        check_layout(a, tp=lay.tp, ep=lay.ep, pp=lay.pp)
+    except UnsupportedCheckpoint as e:
+        out.append(f"trainer.tp/ep/pp: {e}")
+    if a.moe and lay.tp > 1 and not MOE_TENSOR_PARALLEL:
+        out.append(f"trainer.tp = {lay.tp}: the trainer refuses MoE with tp > 1; set trainer.tp=1 and split "
+                   f"the experts with trainer.ep (e.g. ep={math.gcd(a.num_experts, 8)}), dp = GPUs / pp")
+    if a.moe and lay.recompute != "none" and lay.replay_train:
+        out.append(f"trainer.recompute = {lay.recompute}: the trainer refuses recompute with MoE routing replay "
+                   "(the recomputed forward would route freely); set it to none or trainer.replay_train=false")
     if (lay.tp * lay.dp * lay.cp) % (lay.ep * lay.etp):
         out.append(f"trainer.ep*etp = {lay.ep * lay.etp} does not divide tp*dp*cp = {lay.tp * lay.dp * lay.cp}")
     return out
@@ -237,6 +239,13 @@ def layer_activation_bytes(a: ModelArch, lay: TrainerLayout) -> int:
     return rep + attn + mlp
 
 
+def selective_freed_bytes(a: ModelArch, lay: TrainerLayout) -> int:
+    """Per token and layer, what selective recompute drops: the trainer recomputes core attention (its saved
+    softmax statistics: the inputs Q, K, V and the output stay, other layers need them) and, in a dense model,
+    the MLP's inside (gate+up output and product, 3I; the MLP's input stays)."""
+    return 4 * a.num_heads // lay.tp + (0 if a.moe else 6 * a.intermediate_size // lay.tp)
+
+
 @dataclass(frozen=True)
 class TrainerMemory:
     weights: int
@@ -261,6 +270,8 @@ def trainer_memory(a: ModelArch, lay: TrainerLayout, context: int) -> TrainerMem
     layer_input = 2 * a.hidden_size // (lay.tp if lay.sequence_parallel else 1)
     if lay.recompute == "full":
         acts = tokens * (a.num_layers * layer_input + per_layer)
+    elif lay.recompute == "selective":
+        acts = tokens * a.num_layers * (per_layer - selective_freed_bytes(a, lay))
     else:
         acts = tokens * a.num_layers * per_layer
     # final hidden states (bf16, TP-replicated) + one chunk of logits: bf16 product, fp32 copy, exp, gradient
@@ -445,9 +456,15 @@ def _check_memory(p: Plan) -> None:
         lay, a = p.layout, p.arch
         if t.activations > t.weights + t.gradients + t.optimizer:
             split = "raise trainer.tp" if not (a.moe and not MOE_TENSOR_PARALLEL) else "the trainer keeps MoE at tp 1"
+            shorter = "lower trainer.micro_batch_tokens to the context, " if lay.micro_batch_tokens > p.context else ""
+            if lay.recompute == "full":
+                recompute = ""
+            elif a.moe and lay.replay_train:
+                recompute = "(recompute is refused with MoE routing replay) "
+            else:
+                recompute = "set trainer.recompute=full, "
             fix = (f"activations dominate ({t.tokens} tokens a micro-batch: max(micro_batch_tokens, context)); "
-                   f"{split}, {'lower trainer.micro_batch_tokens to the context, ' if lay.micro_batch_tokens > p.context else ''}"
-                   f"or shorten the context; recompute {lay.recompute}")
+                   f"{recompute}{split}, {shorter}or shorten the context")
         else:
             fix = "weights, gradients and optimizer dominate: raise trainer.tp/pp (or ep for experts) or dp"
         out.append(

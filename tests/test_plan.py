@@ -23,8 +23,9 @@ from rollverify.plan import (
 )
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
-# Shipped configs plan refuses today, and why. The 30B-A3B layout the trainer accepts (tp 1, ep 8) keeps ~168 GiB
-# of activations for one 32K-token micro-batch: it fits once the trainer can recompute activations.
+# Shipped configs plan refuses today, and why. The 30B-A3B layout the trainer accepts (tp 1, ep 8, no recompute
+# with routing replay) keeps ~168 GiB of activations for one 32K-token micro-batch: it fits once the trainer can
+# recompute under routing replay, or run MoE at tp > 1 with sequence parallelism.
 KNOWN_REFUSALS = {"qwen3_30b_a3b_base": "activations dominate"}
 
 
@@ -60,9 +61,11 @@ def test_paper_8b_placement_and_memory():
     layer = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 12288 + 2 * 4096 + 2 * 128
     assert total_params(a) == 2 * 151936 * 4096 + 36 * layer + 4096
     t, s = p.trainer, p.server
-    per_rank = total_params(a) // 8  # tp 8 (norms are replicated: within a few kB)
+    per_rank = total_params(a) // 2  # tp 2 (norms are replicated: within a few kB)
     assert abs(t.weights - 2 * per_rank) < 1e6 and t.gradients == 2 * t.weights
-    assert abs(t.optimizer - 12 * per_rank / 4) < 1e6  # distributed optimizer over dp 4
+    assert abs(t.optimizer - 12 * per_rank / 16) < 1e6  # distributed optimizer over dp 16
+    # full recompute: every layer's input (bf16, whole on each TP rank without SP) + one layer's working set
+    assert t.activations == 32768 * (36 * 2 * 4096 + layer_activation_bytes(a, p.layout))
     # SGLang KV per token per GPU at tp 2: 2 (K and V) x 36 layers x 4 KV heads x 128 x 2 bytes
     assert s.kv_bytes_per_token == 2 * 36 * 4 * 128 * 2 and s.live_per_server == 24
     assert s.kv_needed_tokens == 24 * 32768 <= s.kv_pool_tokens
@@ -104,7 +107,7 @@ def test_moe_counts_experts_over_ep():
 @pytest.mark.parametrize(
     "name, overrides, message",
     [
-        ("qwen3_8b_base", ["trainer.dp=8"], r"trainer world size 64 \(tp\*pp\*cp\*dp\) is larger than the GPUs = 32"),
+        ("qwen3_8b_base", ["trainer.dp=32"], r"trainer world size 64 \(tp\*pp\*cp\*dp\) is larger than the GPUs = 32"),
         ("qwen3_30b_a3b_base", ["trainer.tp=4", "trainer.dp=8"], r"trainer\.tp = 4: the trainer refuses MoE"),
         (
             "qwen3_8b_base",
@@ -113,8 +116,10 @@ def test_moe_counts_experts_over_ep():
             r"\d+ .*set engine_args\.max_running_requests to 26",
         ),
         ("qwen3_8b_base", ["rollout.n_servers=20"], r"20 servers x 2 GPUs = 40 GPUs, more than the 32 GPUs"),
-        ("qwen3_8b_base", ["trainer.tp=16", "trainer.dp=2"], r"trainer\.tp = 16 does not divide the 32 attention / 8"),
-        ("tiny_cpu", ["trainer.tp=3"], r"trainer\.tp = 3 does not divide the 4 attention / 2 KV heads"),
+        ("qwen3_8b_base", ["trainer.tp=16", "trainer.dp=2"], r"key-value heads 8 are not both divisible by tp=16"),
+        ("tiny_cpu", ["trainer.tp=3"], r"attention heads 4 / key-value heads 2 are not both divisible by tp=3"),
+        ("qwen3_8b_base", ["trainer.recompute=none"], r"activations dominate .*set trainer\.recompute=full"),
+        ("qwen3_30b_a3b_base", ["trainer.recompute=full"], r"refuses recompute with MoE routing replay"),
         ("qwen3_8b_base", ["rollout.max_new_tokens=32768"], r"max_new_tokens = 32768 leaves no room for a prompt"),
         ("qwen3_8b_base", ["rollout.engine_args.dp_size=2"], r"engine_args\.dp_size = 2: a server's weight updates"),
     ],
@@ -126,7 +131,7 @@ def test_broken_variants_are_refused_by_the_cli(name, overrides, message, capsys
 
 
 def test_disaggregated_and_cpu_cluster_placement():
-    p = plan_of("qwen3_8b_base", "cluster.placement=disaggregated", "cluster.rollout_gpus=16", "trainer.dp=2",
+    p = plan_of("qwen3_8b_base", "cluster.placement=disaggregated", "cluster.rollout_gpus=16", "trainer.dp=8",
                 "rollout.n_servers=8", "rollout.max_live=192")
     assert p.problems == [] and p.ranks[-1] == (1, 7)
     assert [(s.node, s.gpus[0]) for s in p.servers] == [(2, 0), (2, 2), (2, 4), (2, 6), (3, 0), (3, 2), (3, 4),
@@ -171,7 +176,7 @@ def test_cluster_keys_that_contradict_each_other():
 def test_train_checks_the_plan_before_it_writes_anything(tmp_path):
     from rollverify.train import train
 
-    cfg = load_config(CONFIGS / "qwen3_8b_base.yaml", ["trainer.dp=8"], check_task=False)
+    cfg = load_config(CONFIGS / "qwen3_8b_base.yaml", ["trainer.dp=32"], check_task=False)
     with pytest.raises(PlanError, match="trainer world size 64"):
         train(cfg, tmp_path / "run")
     assert not (tmp_path / "run").exists()
