@@ -16,6 +16,7 @@ import numbers
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 RewardFn = Callable[[str, str, str], float]
 
@@ -93,3 +94,10 @@ def checked_reward(fn: RewardFn, spec: str) -> RewardFn:
         return float(value)
 
     return score
+
+
+def task_reward(task: Any, spec: str | None) -> RewardFn:
+    """The reward a run scores with: `spec`'s function (checked) when given, else the task's own."""
+    if spec is None:
+        return task.reward
+    return checked_reward(load_reward(spec), spec)
