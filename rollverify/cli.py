@@ -91,6 +91,12 @@ def _export(argv: list[str]) -> int:
     return cli_main(argv)
 
 
+def _simulate(argv: list[str]) -> int:
+    from rollverify.sim.run import cli_main
+
+    return cli_main(argv)
+
+
 def _plan(argv: list[str]) -> int:
     from rollverify.plan import cli_main
 
@@ -104,6 +110,7 @@ COMMANDS: dict[str, Command] = {
     "export": Command(_export, "write a run's checkpoint as a Hugging Face model folder"),
     "serve": Command(_serve, "start one SGLang rollout server with RollVerify's control channel"),
     "plan": Command(_plan, "dry run: where each trainer rank and server goes and its memory per GPU; no GPU needed"),
+    "simulate": Command(_simulate, "GPU-days of on_policy, partial, rollverify per context limit: the real loop, modelled GPUs"),
     "make-tiny-model": Command(_make_tiny_model, "write a tiny Qwen3 / Qwen3-MoE model folder, made offline"),
 }
 

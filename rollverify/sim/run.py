@@ -1,0 +1,251 @@
+"""`rollverify simulate`: GPU-days of on_policy, partial and rollverify against the context limit, from the real
+`Loop` over the simulated engine and trainer, compared with the paper's Table 7."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+from rollverify.loop import Loop, LoopConfig
+from rollverify.sim.cost import GPUS, ClusterSpec, CostModel, ModelSpec
+from rollverify.sim.engine import DriftModel, SimClock, SimEngine, SimTrainer, Workload
+from rollverify.strategies import AlgoConfig
+from rollverify.types import Group
+
+MODES = ("on_policy", "partial", "rollverify")
+CONTEXTS = (8192, 16384, 32768, 65536)
+# The paper's Table 7 (Qwen3-8B-Base, 32 H800, batch 128 x 8, 500 iterations): GPU-days on_policy, rollverify.
+PAPER_TABLE7 = {8192: (16.6, 15.1), 32768: (98.1, 57.5), 65536: (261.0, 137.0)}
+SECONDS_PER_DAY = 86400.0
+
+
+@dataclass
+class SimConfig:
+    """One parameter set for every context limit (only ``workload.context`` changes between them)."""
+
+    model: ModelSpec = field(default_factory=ModelSpec)
+    cluster: ClusterSpec = field(default_factory=ClusterSpec)
+    workload: Workload = field(default_factory=Workload)
+    drift: DriftModel = field(default_factory=DriftModel)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    batch_groups: int = 128
+    n: int = 8
+    max_live_batches: float = 1.0  # responses in flight in the carry-over modes, in batches of batch_groups x n
+    steps: int = 20  # simulated optimizer steps standing for paper_steps; drift progress is step / steps
+    paper_steps: int = 500  # GPU-days are for this many steps (mean simulated step time x paper_steps)
+    seed: int = 0
+
+
+@dataclass
+class RunResult:
+    mode: str
+    context: int
+    steps: int
+    gpu_days: float
+    step_s_mean: float
+    phase_s: dict[str, float]  # mean seconds per step in each phase
+    tokens_per_step: float  # generated real tokens per step
+    cut_fraction: float  # generated tokens later cut by verification
+    acceptance_mean: float
+    acceptance_by_step: list[float]
+    switched_at: int | None
+    prefill_share: float  # of the rollout server-time
+    on_policy_longest_share: float  # on_policy: rollout time / time to decode the longest response alone
+
+    def row(self) -> dict:
+        return asdict(self)
+
+
+def simulate(mode: str, context: int, cfg: SimConfig) -> RunResult:
+    """Run the real loop for ``cfg.steps`` steps of ``mode`` at this context limit on simulated time."""
+    workload = replace(cfg.workload, context=context)
+    cost = CostModel(cfg.model, cfg.cluster)
+    clock = SimClock()
+    engine = SimEngine(cost, workload, clock, cfg.seed)
+    trainer = SimTrainer(cost, cfg.drift, clock, workload.token_unit, cfg.steps, cfg.seed)
+    batch = cfg.batch_groups * cfg.n
+    loop_cfg = LoopConfig(
+        batch_groups=cfg.batch_groups, n=cfg.n, max_new_tokens=workload.max_units, temperature=1.0,
+        max_live=max(batch, int(cfg.max_live_batches * batch)), wait_s=0.0, phase_timeout_s=3600.0,
+        monitor_ops=False,  # partial pays no verification forward
+    )
+    prompt = np.zeros(workload.prompt_tokens, np.int32)
+    # the switch window covers the same share of training as in a run of paper_steps steps (at least 2 steps)
+    window = max(2, round(cfg.algo.switch_window * cfg.steps / cfg.paper_steps))
+    loop = Loop(
+        loop_cfg, replace(cfg.algo, mode=mode, switch_window=window), engine, trainer,
+        make_group=lambda gid: Group.new(gid, prompt, cfg.n, workload.max_units),
+        reward=lambda group, response: float(response.index % 2),
+    )
+    steps, phases, accept, switched_at, longest = [], [], [], None, []
+    for _ in range(cfg.steps):
+        t0, spent0 = clock.now, dict(clock.spent)
+        result = loop.run_step()
+        m = result.metrics
+        steps.append(clock.now - t0)
+        phases.append({k: v - spent0.get(k, 0.0) for k, v in clock.spent.items()})
+        if math.isfinite(m.get("acceptance_rate", math.nan)) and m.get("verified_tokens", 0) > 0:
+            accept.append(m["acceptance_rate"])
+        if m.get("switched") and switched_at is None:
+            switched_at = len(steps)
+        if mode == "on_policy" and result.trained_groups:
+            longest_units = max(r.num_tokens for g in result.trained_groups for r in g.responses)
+            longest.append(phases[-1].get("rollout", 0.0) / _alone(cost, workload, longest_units))
+    step_s = float(np.mean(steps))
+    names = sorted({k for p in phases for k in p})
+    ledger = loop.ledger
+    rollout_server_s = clock.spent.get("rollout", 0.0) * cost.cluster.servers
+    return RunResult(
+        mode=mode, context=context, steps=cfg.steps,
+        gpu_days=step_s * cfg.paper_steps * cfg.cluster.gpus / SECONDS_PER_DAY,
+        step_s_mean=step_s,
+        phase_s={k: float(np.mean([p.get(k, 0.0) for p in phases])) for k in names},
+        tokens_per_step=ledger.generated_tokens * workload.token_unit / cfg.steps,
+        cut_fraction=ledger.cut_tokens / max(ledger.generated_tokens, 1),
+        acceptance_mean=float(np.mean(accept)) if accept else math.nan,
+        acceptance_by_step=[round(a, 4) for a in accept],
+        switched_at=switched_at,
+        prefill_share=engine.prefill_s / rollout_server_s if rollout_server_s else 0.0,
+        on_policy_longest_share=float(np.mean(longest)) if longest else math.nan,
+    )
+
+
+def _alone(cost: CostModel, workload: Workload, units: int) -> float:
+    """Seconds to decode a response of ``units`` alone on one server (a lower bound of on_policy's rollout)."""
+    longest = units * workload.token_unit
+    ctx = workload.prompt_tokens + np.arange(0, longest, workload.token_unit) + workload.token_unit / 2
+    return float(np.sum(cost.decode_iteration(1.0, ctx)) * workload.token_unit) or math.nan
+
+
+def run_all(cfg: SimConfig, contexts=CONTEXTS, modes=MODES, log=print) -> dict:
+    results: dict[int, dict[str, RunResult]] = {}
+    for context in contexts:
+        results[context] = {}
+        for mode in modes:
+            start = time.perf_counter()
+            r = simulate(mode, context, cfg)
+            results[context][mode] = r
+            log(f"  {context // 1024:>3}K {mode:<10} {r.gpu_days:8.1f} GPU-days  step {r.step_s_mean:7.1f} s  "
+                f"acceptance {r.acceptance_mean:.3f}  switched at {r.switched_at}  "
+                f"({time.perf_counter() - start:.1f} s to simulate)")
+    return {"config": _config_dict(cfg), "results": results, "comparison": compare(results)}
+
+
+def compare(results: dict[int, dict[str, RunResult]]) -> list[dict]:
+    rows = []
+    for context, by_mode in results.items():
+        base = by_mode.get("on_policy")
+        row: dict = {"context": context}
+        for mode, r in by_mode.items():
+            row[f"{mode}_gpu_days"] = r.gpu_days
+            if base is not None:
+                row[f"{mode}_ratio"] = r.gpu_days / base.gpu_days
+        if context in PAPER_TABLE7:
+            on, rv = PAPER_TABLE7[context]
+            row.update(paper_on_policy_gpu_days=on, paper_rollverify_gpu_days=rv, paper_ratio=rv / on)
+            if "rollverify_ratio" in row:
+                row["ratio_error"] = row["rollverify_ratio"] / (rv / on) - 1
+                row["within_15pct"] = abs(row["ratio_error"]) <= 0.15
+        rows.append(row)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    head = (f"{'context':>8}{'on_policy':>11}{'partial':>10}{'rollverify':>11}{'partial/on':>11}{'rv/on':>8}"
+            f"{'paper rv/on':>13}{'error':>8}  paper GPU-days (on -> rv)")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        def f(key: str, fmt: str, r: dict = r) -> str:
+            return format(r[key], fmt) if key in r else "-"
+        paper = f"{r['paper_on_policy_gpu_days']:.1f} -> {r['paper_rollverify_gpu_days']:.1f}" if "paper_ratio" in r else ""
+        err = f"{r['ratio_error']:+.1%}" if "ratio_error" in r else "-"
+        lines.append(
+            f"{r['context'] // 1024:>7}K{f('on_policy_gpu_days', '.1f'):>11}{f('partial_gpu_days', '.1f'):>10}"
+            f"{f('rollverify_gpu_days', '.1f'):>11}{f('partial_ratio', '.3f'):>11}{f('rollverify_ratio', '.3f'):>8}"
+            f"{f('paper_ratio', '.3f'):>13}{err:>8}  {paper}"
+        )
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["comparison"]
+    ks = [r["context"] // 1024 for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for mode, style in (("on_policy", "o-"), ("partial", "s--"), ("rollverify", "^-")):
+        if f"{mode}_gpu_days" in rows[0]:
+            a.plot(ks, [r[f"{mode}_gpu_days"] for r in rows], style, label=f"{mode} (model)")
+            if mode != "on_policy":
+                b.plot(ks, [r[f"{mode}_ratio"] for r in rows], style, label=f"{mode} / on_policy (model)")
+    paper = [r for r in rows if "paper_ratio" in r]
+    a.plot([r["context"] // 1024 for r in paper], [r["paper_on_policy_gpu_days"] for r in paper], "kx",
+           label="on_policy (paper)")
+    a.plot([r["context"] // 1024 for r in paper], [r["paper_rollverify_gpu_days"] for r in paper], "r+",
+           markersize=10, label="rollverify (paper)")
+    pk = [r["context"] // 1024 for r in paper]
+    pr = np.array([r["paper_ratio"] for r in paper])
+    b.errorbar(pk, pr, yerr=0.15 * pr, fmt="r+", markersize=10, capsize=4, label="rollverify / on_policy (paper, ±15 %)")
+    for ax in (a, b):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ks, [f"{k}K" for k in ks])
+        ax.set_xlabel("max context")
+        ax.legend(fontsize=8)
+    a.set_ylabel("GPU-days")
+    b.set_ylabel("GPU-days / on_policy")
+    b.set_ylim(0, 1.1)
+    cfg = report["config"]
+    fig.suptitle(f"{cfg['model']['name']} on {cfg['cluster']['gpus']} {cfg['cluster']['gpu']}, batch "
+                 f"{cfg['batch_groups']}x{cfg['n']}: simulated ({cfg['steps']} steps) vs the paper's Table 7")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _config_dict(cfg: SimConfig) -> dict:
+    d = asdict(cfg)
+    d["gpu_spec"] = asdict(GPUS[cfg.cluster.gpu])
+    return d
+
+
+def cli_main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="rollverify simulate", description=__doc__)
+    p.add_argument("--out", default="runs/simulate", help="folder for simulate.json and simulate.png")
+    p.add_argument("--contexts", type=int, nargs="+", default=list(CONTEXTS), help="context limits in tokens")
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--gpu", default="H800", choices=sorted(GPUS))
+    p.add_argument("--gpus", type=int, default=32)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--steps", type=int, default=SimConfig.steps, help="simulated steps per run")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    try:
+        if a.steps < 1:
+            raise ValueError(f"--steps must be >= 1, got {a.steps}")
+        for c in a.contexts:
+            Workload(context=c)
+        cfg = SimConfig(cluster=ClusterSpec(gpu=a.gpu, gpus=a.gpus, tp=a.tp), steps=a.steps, seed=a.seed)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"simulating {a.steps} steps per run: {len(a.contexts)} context limits x {len(a.modes)} modes")
+    report = run_all(cfg, a.contexts, a.modes)
+    report["results"] = {str(c): {m: r.row() for m, r in by.items()} for c, by in report["results"].items()}
+    print(table(report["comparison"]))
+    (out / "simulate.json").write_text(json.dumps(report, indent=2) + "\n")
+    if "on_policy" in a.modes:
+        plot(report, out / "simulate.png")
+    print(f"wrote {out / 'simulate.json'}" + (f" and {out / 'simulate.png'}" if "on_policy" in a.modes else ""))
+    return 0

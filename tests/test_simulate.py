@@ -1,0 +1,113 @@
+"""The GPU-time simulation: its cost model, its event engine, and sanity checks of the real loop over it.
+
+The loop and strategies are the project's own; only the engine's and trainer's time is simulated. The
+small settings here (a few servers, tens of responses) keep each run well under a second.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from rollverify.cli import main as cli
+from rollverify.sim.cost import ClusterSpec, CostModel, ModelSpec
+from rollverify.sim.engine import DriftModel, Workload, _units_within
+from rollverify.sim.run import SimConfig, compare, simulate
+
+SMALL = SimConfig(
+    cluster=ClusterSpec(gpus=4),
+    workload=Workload(median_tokens=1500.0, token_unit=64),
+    batch_groups=8,
+    n=4,
+    steps=6,
+)
+
+
+def test_decode_is_memory_bound_at_small_batch_and_compute_bound_at_large():
+    cost = CostModel(ModelSpec(), ClusterSpec())
+    one, sixty_four = cost.decode_iteration(4, 4 * 1000), cost.decode_iteration(64, 64 * 1000)
+    assert sixty_four < 1.7 * one  # weights dominate: 16x the sequences for well under 2x the time
+    huge = cost.decode_iteration(4096, 0)  # matmul FLOPs dominate
+    assert cost.decode_iteration(8192, 0) == pytest.approx(2 * huge - ClusterSpec().decode_overhead_s, rel=1e-9)
+    assert cost.decode_iteration(1, 60_000) > 1.3 * cost.decode_iteration(1, 0)  # long contexts read their KV
+
+
+def test_h200_decodes_faster_than_h800_and_tp_splits_the_weights():
+    m = ModelSpec()
+    h800, h200 = CostModel(m, ClusterSpec(gpu="H800")), CostModel(m, ClusterSpec(gpu="H200"))
+    assert h200.decode_iteration(8, 8000) < h800.decode_iteration(8, 8000)
+    tp2 = CostModel(m, ClusterSpec(tp=2))
+    assert tp2.cluster.servers == 16 and tp2.decode_iteration(8, 8000) < h800.decode_iteration(8, 8000)
+    with pytest.raises(ValueError, match="cluster.gpu"):
+        ClusterSpec(gpu="A100")
+
+
+def test_units_within_matches_brute_force():
+    rng = np.random.default_rng(0)
+    alpha, beta = rng.uniform(0.01, 1, 50), rng.uniform(0, 0.01, 50)
+    seconds = rng.uniform(0, 100, 50)
+    k = _units_within(alpha, beta, seconds)
+    for a, b, s, got in zip(alpha, beta, seconds, k, strict=True):
+        cum = np.cumsum(a + b * np.arange(10_000))
+        assert got == int(np.searchsorted(cum, s, side="right"))
+
+
+def test_deterministic_for_a_seed_and_different_for_another():
+    a, b = simulate("rollverify", 8192, SMALL), simulate("rollverify", 8192, SMALL)
+    assert a == b
+    c = simulate("rollverify", 8192, replace(SMALL, seed=1))
+    assert c.step_s_mean != a.step_s_mean
+
+
+def test_without_a_long_tail_carry_over_gains_nothing():
+    flat = replace(SMALL, workload=replace(SMALL.workload, sigma_prompt=0.0, sigma_response=0.0))
+    results = {8192: {m: simulate(m, 8192, flat) for m in ("on_policy", "partial", "rollverify")}}
+    row = compare(results)[0]
+    assert row["partial_ratio"] == pytest.approx(1.0, abs=0.03)
+    assert row["rollverify_ratio"] == pytest.approx(1.0, abs=0.03)
+
+
+def test_with_a_long_tail_carry_over_gains_and_verification_costs_some_of_it():
+    tail = replace(SMALL, workload=replace(SMALL.workload, sigma_response=1.2))
+    results = {16384: {m: simulate(m, 16384, tail) for m in ("on_policy", "partial", "rollverify")}}
+    row = compare(results)[0]
+    assert row["partial_ratio"] < 0.8
+    assert row["partial_ratio"] < row["rollverify_ratio"] < 1.0
+    rv = results[16384]["rollverify"]
+    assert 0 < rv.acceptance_mean < 1 and rv.cut_fraction > 0 and rv.phase_s["verify"] > 0
+    assert "verify" not in results[16384]["partial"].phase_s  # partial runs no verification forward
+
+
+def test_on_policy_time_is_set_by_the_longest_response_of_each_batch():
+    tail = replace(SMALL, workload=replace(SMALL.workload, sigma_response=1.5))
+    r = simulate("on_policy", 32768, tail)
+    # the rollout can never beat decoding its longest response alone, and with a heavy tail it barely does more
+    assert 1.0 <= r.on_policy_longest_share < 1.35
+
+
+def test_no_drift_keeps_everything_and_strong_drift_switches_to_on_policy():
+    calm = replace(SMALL, drift=DriftModel(sigma=0.0, spike_rate=0.0))
+    r = simulate("rollverify", 16384, replace(calm, workload=replace(SMALL.workload, sigma_response=1.2)))
+    assert r.acceptance_mean == 1.0 and r.cut_fraction == 0.0 and r.switched_at is None
+    wild = replace(SMALL, drift=DriftModel(sigma=0.2), steps=8, algo=replace(SMALL.algo, switch_window=2))
+    r = simulate("rollverify", 16384, replace(wild, workload=replace(SMALL.workload, sigma_response=1.2)))
+    assert r.acceptance_mean < 0.5 and r.switched_at is not None and r.switched_at <= 4
+
+
+def test_cli_refuses_bad_input_before_simulating(capsys, tmp_path):
+    assert cli(["simulate", "--steps", "0", "--out", str(tmp_path / "x")]) == 2
+    assert "--steps" in capsys.readouterr().err and not (tmp_path / "x").exists()
+    assert cli(["simulate", "--contexts", "100", "--out", str(tmp_path / "y")]) == 2
+    assert "context" in capsys.readouterr().err and not (tmp_path / "y").exists()
+
+
+def test_paper_comparison_reports_the_error_against_table_7():
+    fake = {32768: {"on_policy": replace(simulate("on_policy", 8192, SMALL), gpu_days=100.0),
+                    "rollverify": replace(simulate("on_policy", 8192, SMALL), gpu_days=50.0)}}
+    row = compare(fake)[0]
+    assert row["paper_ratio"] == pytest.approx(57.5 / 98.1)
+    assert row["ratio_error"] == pytest.approx(0.5 / (57.5 / 98.1) - 1)
+    assert row["within_15pct"] is True and math.isclose(row["rollverify_ratio"], 0.5)
