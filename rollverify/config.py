@@ -128,6 +128,7 @@ class TrainerConfig:
     replay_verify: bool = False  # MoE: replay the engine's routes when computing log-probs for verification
     replay_train: bool = True  # MoE: routing replay (R3) for the old-log-prob recompute and the training step
     recompute: Literal["none", "selective", "full"] = "none"  # activation recompute in the training backward
+    sequence_parallel: bool = False  # split the sequence over the TP group between layers (needs tp > 1)
     logprob_chunk_tokens: int = _f(1024, ge=1)  # tokens whose [tokens x vocab/tp] logits exist at once
     max_seq_len: int = _f(0, ge=0)  # most model inputs (prompt + response - 1) per sequence; 0: the model context
 
@@ -322,6 +323,8 @@ class RunConfig:
             raise ConfigError("trainer.ep: expert parallelism needs an MoE model (model.moe: true)")
         if t.min_lr > t.lr:
             raise ConfigError(f"trainer.min_lr: must be <= trainer.lr ({t.lr}), got {t.min_lr}")
+        if t.sequence_parallel and t.tp == 1:
+            raise ConfigError("trainer.sequence_parallel: needs trainer.tp > 1 (it splits the sequence over TP)")
         if t.recompute != "none" and t.replay_train and m.path is None and m.moe:
             raise ConfigError(f"trainer.recompute: {t.recompute!r} with MoE routing replay is not supported (the "
                               "recomputed forward would route freely); set it to none or trainer.replay_train=false")
