@@ -18,6 +18,7 @@ import argparse
 import json
 import re
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -203,6 +204,7 @@ def evaluate_checkpoint(cfg: Any, model: str | Path, out: str | Path | None = No
     from rollverify.export import hf_weight_buckets
     from rollverify.tasks import get_task
     from rollverify.tasks.reward import task_reward
+    from rollverify.train import start_engine
 
     model = Path(model)
     if out is not None and Path(out).exists():
@@ -210,7 +212,7 @@ def evaluate_checkpoint(cfg: Any, model: str | Path, out: str | Path | None = No
     task = get_task(cfg.task.name, **cfg.task.options)
     tokenizer = AutoTokenizer.from_pretrained(model)
     evaluator = build_evaluator(cfg, task, tokenizer, task_reward(task, cfg.task.reward))
-    engine = _start_engine(cfg, model)
+    engine = start_engine(cfg, model, Path(tempfile.mkdtemp(prefix="rollverify-eval-")))  # server logs
     try:
         if cfg.rollout.endpoints:
             engine.update_weights(hf_weight_buckets(model), 0)
@@ -223,30 +225,6 @@ def evaluate_checkpoint(cfg: Any, model: str | Path, out: str | Path | None = No
         with open(out, "x") as f:
             f.write(json.dumps(result, indent=1) + "\n")
     return result
-
-
-def _start_engine(cfg: Any, model: Path) -> Any:
-    """`rollout.endpoints` (cleared), or `rollout.n_servers` servers launched on `model` (logs in a temporary
-    folder). Like `rollverify train`, this entry point wires `sglang_ext` to the package."""
-    from sglang_ext import cpu_compat
-    from sglang_ext.launch import launch_server
-    from sglang_ext.rollout_engine import SGLangRolloutEngine
-
-    r = cfg.rollout
-    if r.endpoints:
-        engine = SGLangRolloutEngine(r.endpoints, timeout_s=r.server_timeout_s)
-        engine.reset()
-        return engine
-    cpu_compat.activate()
-    servers = []
-    try:
-        for _ in range(r.n_servers):
-            servers.append(launch_server(model, engine_args=dict(r.engine_args)))
-    except BaseException:
-        for s in servers:
-            s.stop()
-        raise
-    return SGLangRolloutEngine([s.endpoint for s in servers], servers=servers, timeout_s=r.server_timeout_s)
 
 
 def cli_main(argv: list[str] | None = None) -> int:

@@ -61,6 +61,7 @@ def trainer_config(cfg: RunConfig):
         clip_grad=t.grad_clip,
         micro_batch_tokens=t.micro_batch_tokens,
         recompute=t.recompute,
+        sequence_parallel=t.sequence_parallel,
         logprob_chunk_tokens=t.logprob_chunk_tokens,
         max_seq_len=t.max_seq_len,
         replay_verify=t.replay_verify,
@@ -85,6 +86,40 @@ def trainer_config(cfg: RunConfig):
             vespo_c2_neg=t.vespo_c2_neg,
             agg_mode=t.loss_agg_mode,
         ),
+    )
+
+
+def start_engine(cfg: RunConfig, model_path: Path, log_dir: Path):
+    """The rollout engine: `rollout.endpoints` (cleared; the caller pushes its weights) or `rollout.n_servers`
+    servers launched on `model_path`, logging to `log_dir`/server<i>.log (`rollverify train` and `eval`)."""
+    from sglang_ext import cpu_compat
+    from sglang_ext.launch import launch_server
+    from sglang_ext.rollout_engine import SGLangRolloutEngine
+
+    r = cfg.rollout
+    if r.endpoints:  # servers someone else runs: clear them
+        with stage("servers") as st:
+            engine = SGLangRolloutEngine(r.endpoints, timeout_s=r.server_timeout_s)
+            engine.reset()
+            st.detail = f"connected to {', '.join(r.endpoints)}"
+        return engine
+    cpu_compat.activate()
+
+    def launch(i: int):
+        return launch_server(model_path, engine_args=dict(r.engine_args), log_path=log_dir / f"server{i}.log")
+
+    servers = []
+    try:
+        for i in range(r.n_servers):
+            with stage("server" if r.n_servers == 1 else f"server {i}") as st:
+                servers.append(launch(i))
+                st.detail = f"SGLang at {servers[-1].endpoint} (log: {log_dir / f'server{i}.log'})"
+    except BaseException:
+        for s in servers:
+            s.stop()
+        raise
+    return SGLangRolloutEngine(
+        [s.endpoint for s in servers], servers=servers, relaunch=launch, timeout_s=r.server_timeout_s
     )
 
 
@@ -134,35 +169,7 @@ class Run:
     # --- wiring -------------------------------------------------------------------------------------------
 
     def _start_engine(self):
-        from sglang_ext import cpu_compat
-        from sglang_ext.launch import launch_server
-        from sglang_ext.rollout_engine import SGLangRolloutEngine
-
-        r = self.cfg.rollout
-        if r.endpoints:  # servers someone else runs: clear them; the trainer's weights are pushed below
-            with stage("servers") as st:
-                engine = SGLangRolloutEngine(r.endpoints, timeout_s=r.server_timeout_s)
-                engine.reset()
-                st.detail = f"connected to {', '.join(r.endpoints)}"
-            return engine
-        cpu_compat.activate()
-
-        def launch(i: int):
-            return launch_server(self.model_path, engine_args=dict(r.engine_args), log_path=self.out / f"server{i}.log")
-
-        servers = []
-        try:
-            for i in range(r.n_servers):
-                with stage("server" if r.n_servers == 1 else f"server {i}") as st:
-                    servers.append(launch(i))
-                    st.detail = f"SGLang at {servers[-1].endpoint} (log: {self.out / f'server{i}.log'})"
-        except BaseException:
-            for s in servers:
-                s.stop()
-            raise
-        return SGLangRolloutEngine(
-            [s.endpoint for s in servers], servers=servers, relaunch=launch, timeout_s=r.server_timeout_s
-        )
+        return start_engine(self.cfg, self.model_path, self.out)
 
     def _start_trainer(self):
         from megatron_bridge.loop_adapter import LoopTrainer
