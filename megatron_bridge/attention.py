@@ -99,3 +99,21 @@ class PackedCoreAttention(MegatronModule):
     def _sdpa(self, q, k, v, p: float):
         return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, scale=self.softmax_scale,
                                               enable_gqa=self.groups != self.heads)
+
+
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm with Megatron-Core's norm constructor, usable under sequence parallelism.
+
+    Megatron-Core's non-TE norm (`WrappedTorchNorm`, the same torch RMSNorm) refuses `sequence_parallel`. Under
+    SP each TP rank normalises its own slice of the tokens, so its weight gradient is a partial sum: the weight
+    is marked `sequence_parallel`, which makes `finalize_model_grads` sum it over the TP group (as TE's norms
+    are marked). Same parameter name (`weight`) and values as the module it replaces.
+    """
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
+                 zero_centered_gamma: bool = False, normalization: str = "RMSNorm") -> None:
+        if config.normalization != "RMSNorm" or zero_centered_gamma or config.layernorm_zero_centered_gamma:
+            raise ValueError("SequenceParallelRMSNorm is a plain RMSNorm (normalization='RMSNorm', no zero-centred "
+                             "gamma)")
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+        self.weight.sequence_parallel = config.sequence_parallel

@@ -267,8 +267,12 @@ def build_model(arch: ModelArch, config, *, pre_process: bool | None = None, pos
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.moe.router_replay import RouterReplay
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
 
-    from megatron_bridge.attention import PackedCoreAttention
+    from megatron_bridge.attention import PackedCoreAttention, SequenceParallelRMSNorm
 
     # RouterReplay keeps a process-wide list of instances in construction order; a new model starts afresh.
     RouterReplay.clear_global_router_replay_instances()
@@ -278,14 +282,19 @@ def build_model(arch: ModelArch, config, *, pre_process: bool | None = None, pos
         qk_layernorm=True,
         normalization="RMSNorm",
     )
-    spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention
+    layer = spec.submodules
+    layer.self_attention.submodules.core_attention = PackedCoreAttention
+    layer.input_layernorm = layer.pre_mlp_layernorm = SequenceParallelRMSNorm
+    layer.self_attention.submodules.q_layernorm = layer.self_attention.submodules.k_layernorm = SequenceParallelRMSNorm
+    block = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config),
+                                       layer_norm=SequenceParallelRMSNorm)
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage()
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage()
     model = GPTModel(
         config=config,
-        transformer_layer_spec=spec,
+        transformer_layer_spec=block,
         vocab_size=arch.vocab_size,
         max_sequence_length=arch.max_position_embeddings,
         pre_process=pre_process,

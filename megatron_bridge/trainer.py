@@ -87,6 +87,7 @@ class TrainerConfig:
     micro_batch_tokens: int = 4096
     logprob_chunk_tokens: int = 1024  # rows of [tokens x vocab/tp] logits alive at once (logprobs.py)
     recompute: str = "none"  # activation recompute: none | selective | full (model.transformer_config)
+    sequence_parallel: bool = False  # Megatron-Core sequence parallelism over the TP group (needs tp > 1)
     max_seq_len: int = 0  # longest sequence (prompt + generated - 1 inputs) accepted; 0: ModelArch.context_length
     replay_verify: bool = False  # see megatron_bridge.replay for why free routing verifies
     replay_train: bool = True  # R3 for the old-log-prob recompute and the training forward
@@ -149,10 +150,13 @@ class MegatronTrainer:
         self.arch = convert.check_checkpoint(self.model_path)  # unsupported / mismatched: fail before building
         self.device = torch.device(cfg.resolved_device())
         self.dtype = cfg.resolved_dtype()
+        if cfg.sequence_parallel and cfg.tp == 1:
+            raise ValueError("sequence_parallel needs tp > 1 (it splits the sequence over the TP group)")
         if self.arch.moe and cfg.tp > 1:
-            raise UnsupportedCheckpoint(
-                "MoE with tp > 1 is not supported with the local layer spec (Megatron-Core needs sequence "
-                "parallelism for MoE under TP, which its non-TE RMSNorm refuses): use ep instead")
+            # Megatron-Core trains MoE under TP only with sequence parallelism; with it (expert tensor parallel 1)
+            # the forward matches one process on CPU but the expert weights' step does not yet
+            raise UnsupportedCheckpoint(f"MoE with tp={cfg.tp} > 1 is not supported yet: use ep for the experts "
+                                        f"and tp=1")
         if cfg.optimizer != "adam" and cfg.use_distributed_optimizer:
             raise ValueError("Megatron-Core's distributed optimizer supports Adam only: set "
                              "use_distributed_optimizer=False for optimizer='sgd'")
@@ -173,7 +177,7 @@ class MegatronTrainer:
         self.dp_rank = ps.get_data_parallel_rank()
         self.layout = convert.Layout.current()
         self.tconfig = transformer_config(self.arch, tp=cfg.tp, ep=cfg.ep, pp=cfg.pp, dtype=self.dtype,
-                                          recompute=cfg.recompute)
+                                          recompute=cfg.recompute, sequence_parallel=cfg.sequence_parallel)
         self.tconfig.calculate_per_token_loss = True
         model = build_model(self.arch, self.tconfig)
         if self.device.type == "cuda":
@@ -243,17 +247,23 @@ class MegatronTrainer:
         mine = plans[self.dp_rank]
         return mine + [[] for _ in range(n - len(mine))]
 
+    @property
+    def _pad_to(self) -> int:
+        """Packs are padded to a multiple of this (sequence parallelism splits them evenly over TP)."""
+        return self.cfg.tp if self.cfg.sequence_parallel else 1
+
     _DUMMY = TrainSequence(prompt_ids=np.zeros(1, np.int64), gen_ids=np.zeros(1, np.int64))
 
     def _micro_batch(self, seqs: list[TrainSequence], index: list[int], use_replay: bool) -> MicroBatch:
         if not index:  # empty filler: one 1-token row, no generated tokens counted
-            mb = make_micro_batch([self._DUMMY], [0])
+            mb = make_micro_batch([self._DUMMY], [0], pad_to_multiple=self._pad_to)
             mb.seq_index, mb.gen_counts = [], []
             mb.gen_rows, mb.gen_targets = mb.gen_rows[:0], mb.gen_targets[:0]
             if use_replay:
-                mb.routes = [torch.arange(self.arch.top_k).view(1, -1) for _ in range(self.arch.num_layers)]
+                mb.routes = [torch.arange(self.arch.top_k).view(1, -1).repeat(mb.packed.num_tokens(), 1)
+                             for _ in range(self.arch.num_layers)]
             return mb
-        mb = make_micro_batch(seqs, index)
+        mb = make_micro_batch(seqs, index, pad_to_multiple=self._pad_to)
         if use_replay:
             replay.attach_routes(mb, seqs, self.arch.num_layers, self.arch.top_k, self.arch.num_experts)
         return mb
@@ -264,7 +274,11 @@ class MegatronTrainer:
 
         def step(data_iterator, model):
             mb: MicroBatch = next(data_iterator)
-            with replay.replaying(mb.routes, self._moe_layer_offset, device=dev):
+            sp_slice = None
+            if self.cfg.sequence_parallel:  # each TP rank routes its own slice of the tokens
+                per = mb.packed.num_tokens() // self.cfg.tp
+                sp_slice = slice(self.layout.tp_rank * per, (self.layout.tp_rank + 1) * per)
+            with replay.replaying(mb.routes, self._moe_layer_offset, sp_slice=sp_slice, device=dev):
                 out = packed_forward(model, mb.packed, dev)
 
             def loss_func(output):

@@ -115,11 +115,15 @@ def test_gpu_smoke_part_a_dry_run_on_cpu(tmp_path):
     from rollverify.tiny_model import cache_root
 
     root = Path(__file__).resolve().parent.parent
+    # a fresh single-process group: not the rendezvous this test process may hold
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
+                                                            "LOCAL_RANK")}
+    env["ROLLVERIFY_CACHE"] = str(cache_root())
     checks = "parity_dense_fp32,routing_replay_bitwise,verify_device_equals_cpu,imports_part_a"
     out = subprocess.run(
         [sys.executable, str(root / "tools" / "gpu_smoke.py"), "--device", "cpu", "--quick", "--checks", checks,
          "--json", str(tmp_path / "smoke.json"), "--workdir", str(tmp_path)],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "ROLLVERIFY_CACHE": str(cache_root())})
+        capture_output=True, text=True, timeout=300, env=env)
     lines = [line for line in out.stdout.splitlines() if line.startswith(("PASS", "FAIL", "SKIP"))]
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert [line.split(":")[0] for line in lines] == [f"PASS {c}" for c in checks.split(",")] + ["PASS all"]

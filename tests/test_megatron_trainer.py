@@ -240,9 +240,9 @@ def _single(moe: bool, tied: bool) -> dict:
     return out
 
 
-@pytest.mark.parametrize(("layout", "moe", "tied"), [(dict(tp=2), False, False), (dict(pp=2), False, True),
-                                                     (dict(ep=2), True, False)],
-                         ids=["tp2-dense", "pp2-tied", "ep2-moe-replay"])
+@pytest.mark.parametrize(("layout", "moe", "tied"), [(dict(tp=2, sequence_parallel=True), False, False),
+                                                     (dict(pp=2), False, True), (dict(ep=2), True, False)],
+                         ids=["tp2-sp-dense", "pp2-tied", "ep2-moe-replay"])
 def test_world_size_2_step_equals_single_process_step(layout, moe, tied):
     from megatron_bridge.spawned import SpawnedTrainer
     from megatron_bridge.trainer import TrainerConfig
