@@ -104,6 +104,7 @@ def init_parallel(
         expert_model_parallel_size=cfg.ep,
         expert_tensor_parallel_size=cfg.etp,
         create_gloo_process_groups=True,
+        distributed_timeout_minutes=max(1, round(timeout_s / 60)),
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 

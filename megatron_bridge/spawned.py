@@ -101,12 +101,12 @@ class SpawnedTrainer:
     """`MegatronTrainer` over `world_size` child processes (gloo on CPU, NCCL on GPU)."""
 
     def __init__(self, model_path: str | os.PathLike, cfg: TrainerConfig | None = None, world_size: int = 2,
-                 timeout_s: float = 600.0, threads_per_rank: int | None = None) -> None:
+                 timeout_s: float | None = None, threads_per_rank: int | None = None) -> None:
         import torch.multiprocessing as mp
 
         self.cfg = cfg or TrainerConfig()
         self.world_size = world_size
-        self.timeout_s = timeout_s
+        self.timeout_s = self.cfg.call_timeout_s if timeout_s is None else timeout_s
         ctx = mp.get_context("spawn")
         port = free_port()
         threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)

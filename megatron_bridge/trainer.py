@@ -88,6 +88,8 @@ class TrainerConfig:
     logprob_chunk_tokens: int = 1024  # rows of [tokens x vocab/tp] logits alive at once (logprobs.py)
     recompute: str = "none"  # activation recompute: none | selective | full (model.transformer_config)
     sequence_parallel: bool = False  # Megatron-Core sequence parallelism over the TP group (needs tp > 1)
+    dist_timeout_s: float = 1800.0  # a collective (gloo / NCCL) that waits longer fails
+    call_timeout_s: float = 3600.0  # a spawned rank that gives no reply to a call for longer fails it
     max_seq_len: int = 0  # longest sequence (prompt + generated - 1 inputs) accepted; 0: ModelArch.context_length
     replay_verify: bool = False  # see megatron_bridge.replay for why free routing verifies
     replay_train: bool = True  # R3 for the old-log-prob recompute and the training forward
@@ -169,7 +171,7 @@ class MegatronTrainer:
                              f"forward would route freely; set recompute='none' or replay_train=False")
         recompute_options(cfg.recompute, self.arch.moe)  # a bad value fails here, before any process group
         self.pcfg = ParallelConfig(tp=cfg.tp, ep=cfg.ep, pp=cfg.pp)
-        init_parallel(self.pcfg, device=self.device.type, seed=cfg.seed)
+        init_parallel(self.pcfg, device=self.device.type, seed=cfg.seed, timeout_s=cfg.dist_timeout_s)
         from megatron.core import parallel_state as ps
 
         self.ps = ps

@@ -131,6 +131,8 @@ class TrainerConfig:
     sequence_parallel: bool = False  # split the sequence over the TP group between layers (needs tp > 1)
     logprob_chunk_tokens: int = _f(1024, ge=1)  # tokens whose [tokens x vocab/tp] logits exist at once
     max_seq_len: int = _f(0, ge=0)  # most model inputs (prompt + response - 1) per sequence; 0: the model context
+    dist_timeout_s: float = _f(1800.0, gt=0.0)  # trainer collectives (gloo / NCCL) that wait longer fail
+    call_timeout_s: float = _f(3600.0, gt=0.0)  # a trainer rank silent for longer during a call fails it
 
     @property
     def loss_kind(self) -> str:

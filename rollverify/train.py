@@ -64,6 +64,8 @@ def trainer_config(cfg: RunConfig):
         sequence_parallel=t.sequence_parallel,
         logprob_chunk_tokens=t.logprob_chunk_tokens,
         max_seq_len=t.max_seq_len,
+        dist_timeout_s=t.dist_timeout_s,
+        call_timeout_s=t.call_timeout_s,
         replay_verify=t.replay_verify,
         replay_train=t.replay_train,
         temperature=cfg.rollout.temperature,
