@@ -242,7 +242,9 @@ def cli_main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. eval.n_samples=8")
     a = p.parse_args(argv)
     try:
-        cfg = load_config(a.config, [*a.overrides, f"model.path={json.dumps(a.model)}"])
+        # --model replaces the config's model, the tiny model's settings included
+        model = [f"model.path={json.dumps(a.model)}", "model.moe=false", "model.tiny_overrides={}"]
+        cfg = load_config(a.config, [*a.overrides, *model])
         cfg.check_paths()
         if a.out is not None and Path(a.out).exists():
             raise FileExistsError(f"--out {a.out} exists; give a new file name (results are never overwritten)")
