@@ -154,11 +154,12 @@ class MegatronTrainer:
         self.dtype = cfg.resolved_dtype()
         if cfg.sequence_parallel and cfg.tp == 1:
             raise ValueError("sequence_parallel needs tp > 1 (it splits the sequence over the TP group)")
-        if self.arch.moe and cfg.tp > 1:
-            # Megatron-Core trains MoE under TP only with sequence parallelism; with it (expert tensor parallel 1)
-            # the forward matches one process on CPU but the expert weights' step does not yet
-            raise UnsupportedCheckpoint(f"MoE with tp={cfg.tp} > 1 is not supported yet: use ep for the experts "
-                                        f"and tp=1")
+        if self.arch.moe and cfg.tp > 1 and (not cfg.sequence_parallel or cfg.ep == 1):
+            # Megatron-Core trains MoE under TP only with sequence parallelism. Experts stay whole (expert tensor
+            # parallel 1); with ep == 1 they would be copies on every TP rank, each seeing its own tokens, and
+            # Megatron-Core reduces expert gradients over TP only for expert-parallel weights (ep > 1)
+            raise UnsupportedCheckpoint(f"MoE with tp={cfg.tp} > 1 needs sequence_parallel=True and ep > 1 (got "
+                                        f"sequence_parallel={cfg.sequence_parallel}, ep={cfg.ep})")
         if cfg.optimizer != "adam" and cfg.use_distributed_optimizer:
             raise ValueError("Megatron-Core's distributed optimizer supports Adam only: set "
                              "use_distributed_optimizer=False for optimizer='sgd'")

@@ -193,6 +193,9 @@ def test_bad_input_fails_before_any_forward_naming_the_numbers(dense):
         check_layout(arch, tp=3)
     with pytest.raises(UnsupportedCheckpoint, match="num_layers 2 is not divisible by pp=4"):
         _trainer(tiny_path(), pp=4)  # refused before any process group or model is built
+    with pytest.raises(UnsupportedCheckpoint, match=r"MoE with tp=2 > 1 needs sequence_parallel=True and ep > 1 "
+                                                    r"\(got sequence_parallel=True, ep=1\)"):
+        _trainer(tiny_path(moe=True), tp=2, sequence_parallel=True)
 
 
 def test_activation_recompute_changes_no_figure():
@@ -241,8 +244,9 @@ def _single(moe: bool, tied: bool) -> dict:
 
 
 @pytest.mark.parametrize(("layout", "moe", "tied"), [(dict(tp=2, sequence_parallel=True), False, False),
-                                                     (dict(pp=2), False, True), (dict(ep=2), True, False)],
-                         ids=["tp2-sp-dense", "pp2-tied", "ep2-moe-replay"])
+                                                     (dict(pp=2), False, True), (dict(ep=2), True, False),
+                                                     (dict(tp=2, ep=2, sequence_parallel=True), True, False)],
+                         ids=["tp2-sp-dense", "pp2-tied", "ep2-moe-replay", "tp2-ep2-sp-moe-replay"])
 def test_world_size_2_step_equals_single_process_step(layout, moe, tied):
     from megatron_bridge.spawned import SpawnedTrainer
     from megatron_bridge.trainer import TrainerConfig
