@@ -80,8 +80,8 @@ ARCH_PRESETS: dict[str, dict[str, Any]] = {
 PROCESS_OVERHEAD = int(1.5 * GiB)
 # SGLang picks mem_fraction_static itself when the config does not; plan assumes this value then.
 DEFAULT_MEM_FRACTION = 0.85
-# The trainer refuses MoE with tp > 1 (megatron_bridge.trainer.MegatronTrainer: Megatron-Core needs sequence
-# parallelism for MoE under TP, which the local spec's RMSNorm refuses); plan refuses it before anything starts.
+# Whether the trainer runs MoE with tp > 1 (megatron_bridge.trainer.MegatronTrainer: then only with sequence
+# parallelism and ep > 1, experts whole on each rank); plan refuses what the trainer refuses before anything starts.
 MOE_TENSOR_PARALLEL = False
 
 
@@ -154,8 +154,9 @@ class TrainerLayout:
     @staticmethod
     def of(cfg: RunConfig) -> TrainerLayout:
         t = cfg.trainer
-        # etp, cp and sequence parallelism are not trainer options yet: the trainer runs them at 1 / off.
-        return TrainerLayout(tp=t.tp, pp=t.pp, dp=t.dp, ep=t.ep, recompute=t.recompute,
+        # etp and cp are not trainer options yet: the trainer runs them at 1.
+        return TrainerLayout(tp=t.tp, pp=t.pp, dp=t.dp, ep=t.ep, sequence_parallel=t.sequence_parallel,
+                             recompute=t.recompute,
                              micro_batch_tokens=t.micro_batch_tokens, logprob_chunk_tokens=t.logprob_chunk_tokens,
                              replay_train=t.replay_train)
 
@@ -173,6 +174,9 @@ def layout_problems(a: ModelArch, lay: TrainerLayout) -> list[str]:
     if a.moe and lay.tp > 1 and not MOE_TENSOR_PARALLEL:
         out.append(f"trainer.tp = {lay.tp}: the trainer refuses MoE with tp > 1; set trainer.tp=1 and split "
                    f"the experts with trainer.ep (e.g. ep={math.gcd(a.num_experts, 8)}), dp = GPUs / pp")
+    elif a.moe and lay.tp > 1 and (not lay.sequence_parallel or lay.ep == 1):
+        out.append(f"trainer.tp = {lay.tp}: the trainer runs MoE under TP only with trainer.sequence_parallel=true "
+                   f"and trainer.ep > 1 (got sequence_parallel={lay.sequence_parallel}, ep={lay.ep})")
     if a.moe and lay.recompute != "none" and lay.replay_train:
         out.append(f"trainer.recompute = {lay.recompute}: the trainer refuses recompute with MoE routing replay "
                    "(the recomputed forward would route freely); set it to none or trainer.replay_train=false")

@@ -87,6 +87,10 @@ def test_memory_formulas_respond_to_the_layout():
     assert cp.tokens == 16384 and cp.optimizer == m.optimizer  # dp*cp shards the optimizer alike
     assert trainer_memory(a, TrainerLayout(tp=2, pp=1, dp=8, micro_batch_tokens=32768), 32768).optimizer == \
         pytest.approx(2 * m.optimizer, rel=1e-6)
+    # the run config's trainer options reach the plan: SP with full recompute keeps each layer's input split by TP
+    sp_plan = plan_of("qwen3_8b_base", "trainer.sequence_parallel=true")
+    assert sp_plan.layout.sequence_parallel and sp_plan.trainer.activations == 32768 * (
+        36 * 2 * 4096 // 2 + layer_activation_bytes(a, sp_plan.layout))
     # a longer context than micro_batch_tokens sizes the micro-batch
     assert trainer_memory(a, TrainerLayout(tp=2, pp=1, dp=16, micro_batch_tokens=4096), 32768).tokens == 32768
 
