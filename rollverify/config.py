@@ -37,7 +37,8 @@ def _f(default: Any = dataclasses.MISSING, *, ge=None, gt=None, le=None, lt=None
     return field(default=default, metadata=meta)
 
 
-LossKind = Literal["grpo", "ppo", "gspo", "sapo"]
+LossKind = Literal["grpo", "ppo", "gspo", "sapo", "vespo"]
+AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 DecayStyle = Literal["constant", "linear", "cosine"]
 Dtype = Literal["auto", "float32", "bfloat16"]
 
@@ -109,7 +110,9 @@ class TrainerConfig:
     lr_decay_style: DecayStyle = "constant"
     weight_decay: float = _f(0.0, ge=0.0)
     grad_clip: float = _f(1.0, gt=0.0)
-    loss: LossKind = "grpo"  # grpo (= ppo: PPO surrogate on GRPO advantages), gspo, sapo
+    loss: LossKind = "grpo"  # grpo (= ppo: PPO surrogate on GRPO advantages), gspo, sapo, vespo
+    # VeRL's names; null: the loss's own as in VeRL (grpo, vespo: token-mean; gspo, sapo: seq-mean-token-mean)
+    loss_agg_mode: AggMode | None = None
     eps_low: float = _f(0.2, ge=0.0, lt=1.0)  # decoupled clipping: ratio in [1 - eps_low, 1 + eps_high]
     eps_high: float = _f(0.3, ge=0.0)
     dual_clip_c: float = _f(3.0, gt=1.0)  # dual-clip bound for negative advantages; inf: off
@@ -119,6 +122,10 @@ class TrainerConfig:
     gspo_eps_high: float = _f(4e-4, ge=0.0)
     sapo_tau_pos: float = _f(1.0, gt=0.0)
     sapo_tau_neg: float = _f(1.05, gt=0.0)
+    vespo_c1_pos: float = _f(2.0, ge=0.0)  # VESPO's kernel W^c1 exp(c2 (1 - W)) for A >= 0
+    vespo_c2_pos: float = _f(3.0, gt=0.0)
+    vespo_c1_neg: float = _f(3.0, ge=0.0)  # and for A < 0
+    vespo_c2_neg: float = _f(2.0, gt=0.0)
     adv_use_std: bool = True  # GRPO: divide advantages by the group std (false: Dr. GRPO)
     tp: int = _f(1, ge=1)  # tensor parallel
     pp: int = _f(1, ge=1)  # pipeline parallel
