@@ -64,8 +64,9 @@ def test_paper_8b_placement_and_memory():
     per_rank = total_params(a) // 2  # tp 2 (norms are replicated: within a few kB)
     assert abs(t.weights - 2 * per_rank) < 1e6 and t.gradients == 2 * t.weights
     assert abs(t.optimizer - 12 * per_rank / 16) < 1e6  # distributed optimizer over dp 16
-    # full recompute: every layer's input (bf16, whole on each TP rank without SP) + one layer's working set
-    assert t.activations == 32768 * (36 * 2 * 4096 + layer_activation_bytes(a, p.layout))
+    # full recompute: every layer's input (bf16, split over TP by SP) + one layer's working set
+    assert p.layout.sequence_parallel and p.layout.recompute == "full"
+    assert t.activations == 32768 * (36 * 2 * 4096 // 2 + layer_activation_bytes(a, p.layout))
     # SGLang KV per token per GPU at tp 2: 2 (K and V) x 36 layers x 4 KV heads x 128 x 2 bytes
     assert s.kv_bytes_per_token == 2 * 36 * 4 * 128 * 2 and s.live_per_server == 24
     assert s.kv_needed_tokens == 24 * 32768 <= s.kv_pool_tokens
@@ -87,10 +88,10 @@ def test_memory_formulas_respond_to_the_layout():
     assert cp.tokens == 16384 and cp.optimizer == m.optimizer  # dp*cp shards the optimizer alike
     assert trainer_memory(a, TrainerLayout(tp=2, pp=1, dp=8, micro_batch_tokens=32768), 32768).optimizer == \
         pytest.approx(2 * m.optimizer, rel=1e-6)
-    # the run config's trainer options reach the plan: SP with full recompute keeps each layer's input split by TP
-    sp_plan = plan_of("qwen3_8b_base", "trainer.sequence_parallel=true")
-    assert sp_plan.layout.sequence_parallel and sp_plan.trainer.activations == 32768 * (
-        36 * 2 * 4096 // 2 + layer_activation_bytes(a, sp_plan.layout))
+    # the run config's trainer options reach the plan: without SP each layer's input is whole on every TP rank
+    no_sp = plan_of("qwen3_8b_base", "trainer.sequence_parallel=false")
+    assert not no_sp.layout.sequence_parallel and no_sp.trainer.activations == 32768 * (
+        36 * 2 * 4096 + layer_activation_bytes(a, no_sp.layout))
     # a longer context than micro_batch_tokens sizes the micro-batch
     assert trainer_memory(a, TrainerLayout(tp=2, pp=1, dp=16, micro_batch_tokens=4096), 32768).tokens == 32768
 
