@@ -38,7 +38,8 @@ from rollverify.interfaces import Chunk, RolloutEngine, SamplingParams, Trainer
 from rollverify.losses import grpo_advantages
 from rollverify.strategies import AlgoConfig, Strategy, make_strategy
 from rollverify.types import Group, Response
-from rollverify.verify import token_ops
+
+VERIFY_PREFIX = "verify/"  # every statistic of the step's VerifyOutcome is logged under this prefix
 
 
 @dataclass
@@ -272,9 +273,6 @@ class Loop:
         new_lp = None
         if self.strategy.needs_new_logprobs or self.cfg.monitor_ops:
             new_lp = self.trainer.compute_logprobs(carried, self.cfg.temperature)
-            d = token_ops(torch.from_numpy(np.concatenate([r.logprobs for r in carried])),
-                          torch.from_numpy(np.concatenate(new_lp)))
-            stats["ops_mean"] = float(d[torch.isfinite(d)].mean()) if d.numel() else float("nan")
         outcome = self.strategy.apply(carried, new_lp, self.version)
         cut = self.buffer.apply_truncation(outcome.decisions)
         self.ledger.restarted += int(sum(1 for k in outcome.keep_lengths if k == 0))
@@ -297,12 +295,13 @@ class Loop:
         s = outcome.stats
         return {
             **stats,
-            "ops_mean": stats.get("ops_mean", float("nan")),
-            "acceptance_rate": s.get("acceptance_rate", float("nan")),
-            "kept_whole_rate": s.get("kept_whole_rate", float("nan")),
-            "staleness_max": s.get("staleness_max", 0.0),
-            "verified_tokens": s.get("verified_tokens", 0.0),
-            "kept_tokens": s.get("kept_tokens", 0.0),
+            **{f"{VERIFY_PREFIX}{k}": v for k, v in s.items()},  # the strategy's statistics, whole
+            "ops_mean": s.get("ops_mean", float("nan")),  # NaN when no OPS was computed (partial, unmonitored)
+            "acceptance_rate": s["acceptance_rate"],
+            "kept_whole_rate": s["kept_whole_rate"],
+            "staleness_max": s["staleness_max"],
+            "verified_tokens": s["verified_tokens"],
+            "kept_tokens": s["kept_tokens"],
             "cut_tokens": float(cut),
             "held_back_cut_tokens": float(held_cut),
             "switched": bool(outcome.switched),

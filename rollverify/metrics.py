@@ -4,7 +4,9 @@ The JSONL file is the record of truth: it is appended and flushed after every st
 everything up to its last step, and a resumed run drops the steps after its checkpoint (they will be redone)
 instead of logging them twice. Plots and the summary are derived from it and can be rebuilt at any time
 (``python -m rollverify.metrics plot DIR``); ``compare`` draws several runs side by side for the demo.
-Non-finite numbers are written as null (strict JSON).
+Non-finite numbers are written as null (strict JSON). A record holds the standard fields plus whatever else
+the step logged, such as the strategy's statistics under ``verify/``; TensorBoard and wandb get every
+numeric value, plots draw their fixed panels and skip what a run did not log.
 """
 
 from __future__ import annotations
@@ -103,17 +105,6 @@ def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
-
-
-def truncate_metrics(path: str | Path, step: int) -> list[dict[str, Any]]:
-    """Keep the records with ``step <= step`` (in place, atomically); return them."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / METRICS
-    kept = [r for r in load_metrics(path) if r.get("step") is not None and r["step"] <= step]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
-    return kept
 
 
 def _values(records: Sequence[Mapping[str, Any]], key: str) -> list[float]:
@@ -300,6 +291,16 @@ PANELS = (
         "rate",
     ),
     (
+        "cuts",
+        "Verification cuts",
+        [
+            ("verify/cut_by_seq_stage", "by sequence stage"),
+            ("verify/cut_by_token_stage", "by token stage"),
+            ("verify/restarted", "restarted"),
+        ],
+        "responses",
+    ),
+    (
         "step_time",
         "Step time",
         [
@@ -360,7 +361,7 @@ def _draw_panel(ax, records, title, series, ylabel, switch) -> None:
 
 
 def plot_run(records: Sequence[Mapping[str, Any]], out_dir: str | Path) -> list[Path]:
-    """One PNG per panel (reward, entropy, OPS, acceptance, step time) and an overview with all of them."""
+    """One PNG per panel (reward, entropy, OPS, acceptance, cuts, step time) and an overview with all of them."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     switch = switch_step(records)
@@ -371,9 +372,8 @@ def plot_run(records: Sequence[Mapping[str, Any]], out_dir: str | Path) -> list[
         paths.append(out_dir / f"{name}.png")
         fig.savefig(paths[-1], dpi=100)
     fig, axes = _figure(2, 3, size=(5.0, 3.4))
-    for ax, (_, title, series, ylabel) in zip(axes, PANELS, strict=False):
+    for ax, (_, title, series, ylabel) in zip(axes, PANELS, strict=True):
         _draw_panel(ax, records, title, series, ylabel, switch)
-    axes[-1].axis("off")
     paths.append(out_dir / "overview.png")
     fig.savefig(paths[-1], dpi=90)
     keys = eval_set_keys(records)

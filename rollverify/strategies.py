@@ -8,7 +8,9 @@
                     switching to on_policy once acceptance stays low
 
 Every strategy maps (carried-over responses, the trainer's new log-probs, new policy version) to a
-``VerifyOutcome``: a keep length per response plus the statistics the loop logs.
+``VerifyOutcome``: a keep length per response plus the statistics the loop logs, whole, under ``verify/``.
+Token OPS of the carried tokens is computed once per call, in ``Strategy.apply``, whenever new log-probs are
+given: it feeds both the ``ops_mean`` statistic and the OPS-based decisions.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 from torch import Tensor
 
 from rollverify.types import PackedBatch, Response
-from rollverify.verify import VerifyResult, two_stage_verify
+from rollverify.verify import VerifyResult, token_ops, two_stage_verify_ops
 
 MODES = ("on_policy", "partial", "staleness_filter", "ops_filter", "rollverify")
 ESTIMATORS = ("window", "ema")
@@ -96,17 +98,6 @@ class VerifyOutcome:
     def decisions(self) -> dict[str, int]:
         """response_id -> keep length: the truncation decisions sent to the engines."""
         return dict(zip(self.response_ids, self.keep_lengths.tolist(), strict=True))
-
-    @property
-    def restarted(self) -> list[str]:
-        """Responses that lost every token: they restart from the prompt."""
-        return [i for i, n, k in zip(self.response_ids, self.lengths, self.keep_lengths, strict=True) if n and not k]
-
-    def apply(self, responses: Sequence[Response]) -> int:
-        """Truncate the responses in place; return the tokens cut."""
-        if [r.response_id for r in responses] != self.response_ids:
-            raise ValueError("apply needs the same responses, in the same order, as the strategy saw")
-        return sum(r.truncate(k) for r, k in zip(responses, self.keep_lengths.tolist(), strict=True))
 
 
 @dataclass
@@ -181,18 +172,23 @@ class Strategy:
         """Decide what to keep of each carried-over response, checked against ``policy_version``.
 
         new_logprobs: the trainer's log-probs of each response's generated tokens under the new policy,
-        one array per response (or packed [N]); needed only when ``needs_new_logprobs``.
+        one array per response (or packed [N]); required when ``needs_new_logprobs``, optional otherwise.
+        When given, the token OPS D is computed here, once: the strategy decides from it and the stats
+        report its mean over the finite values as ``ops_mean``.
         """
         batch = PackedBatch.from_responses(responses, self.device)
-        new = _pack_new_logprobs(new_logprobs, batch) if self.needs_new_logprobs else None
-        keep, stats = self._keep(batch, new, responses, policy_version)
+        ops = None
+        if new_logprobs is not None or self.needs_new_logprobs:
+            ops = token_ops(batch.logprobs, _pack_new_logprobs(new_logprobs, batch))
+        keep, stats = self._keep(batch, ops, responses, policy_version)
         lengths, keep = batch.lengths.cpu().numpy(), keep.cpu().numpy().astype(np.int64)
-        stats = {**_common_stats(responses, lengths, keep, policy_version), **stats}
+        stats = {**_common_stats(responses, lengths, keep, policy_version), **_token_ops_stats(ops), **stats}
         return VerifyOutcome(batch.response_ids, lengths, keep, stats)
 
     def _keep(
-        self, batch: PackedBatch, new: Tensor | None, responses: Sequence[Response], version: int
+        self, batch: PackedBatch, ops: Tensor | None, responses: Sequence[Response], version: int
     ) -> tuple[Tensor, dict[str, float]]:
+        """Keep lengths [R] and the strategy's own stats; ``ops`` is the packed token OPS [N] or None."""
         raise NotImplementedError
 
     def to_state(self) -> dict[str, Any]:
@@ -209,7 +205,7 @@ class OnPolicy(Strategy):
     mode = "on_policy"
     carries_over = False
 
-    def _keep(self, batch, new, responses, version):
+    def _keep(self, batch, ops, responses, version):
         return torch.zeros_like(batch.lengths), {}
 
 
@@ -218,7 +214,7 @@ class Partial(Strategy):
 
     mode = "partial"
 
-    def _keep(self, batch, new, responses, version):
+    def _keep(self, batch, ops, responses, version):
         return batch.lengths, {}
 
 
@@ -231,7 +227,7 @@ class StalenessFilter(Strategy):
         super().__init__(device)
         self.staleness_s = staleness_s
 
-    def _keep(self, batch, new, responses, version):
+    def _keep(self, batch, ops, responses, version):
         stale = torch.tensor([r.staleness(version) > self.staleness_s for r in responses], dtype=torch.bool)
         return torch.where(stale.to(batch.lengths.device), 0, batch.lengths), {}
 
@@ -246,8 +242,8 @@ class OpsFilter(Strategy):
         super().__init__(device)
         self.ops_gamma = ops_gamma
 
-    def _keep(self, batch, new, responses, version):
-        result = two_stage_verify(batch.logprobs, new, batch.versions, batch.lengths, math.inf, math.inf)
+    def _keep(self, batch, ops, responses, version):
+        result = two_stage_verify_ops(ops, batch.versions, batch.lengths, math.inf, math.inf)
         drop = result.response_mean_ops >= self.ops_gamma
         return torch.where(drop, 0, batch.lengths), _ops_stats(result)
 
@@ -262,8 +258,8 @@ class RollVerify(Strategy):
         super().__init__(device)
         self.d_s, self.d_t = d_s, d_t
 
-    def _keep(self, batch, new, responses, version):
-        result = two_stage_verify(batch.logprobs, new, batch.versions, batch.lengths, self.d_s, self.d_t)
+    def _keep(self, batch, ops, responses, version):
+        result = two_stage_verify_ops(ops, batch.versions, batch.lengths, self.d_s, self.d_t)
         return result.keep_lengths, _ops_stats(result)
 
 
@@ -289,7 +285,7 @@ class Switching(Strategy):
 
     def apply(self, responses, new_logprobs=None, policy_version=0):
         if self.switch.switched:
-            return OnPolicy(self.device).apply(responses, None, policy_version)
+            return OnPolicy(self.device).apply(responses, new_logprobs, policy_version)
         outcome = self.inner.apply(responses, new_logprobs, policy_version)
         if outcome.stats["verified_tokens"] > 0 and self.switch.update(outcome.stats["acceptance_rate"]):
             outcome.switched, outcome.switch_reason = True, self.switch.reason
@@ -371,6 +367,14 @@ def _common_stats(
         "staleness_mean": float(staleness.mean()) if len(staleness) else 0.0,
         "staleness_max": float(staleness.max()) if len(staleness) else 0.0,
     }
+
+
+def _token_ops_stats(ops: Tensor | None) -> dict[str, float]:
+    """Mean token OPS of the carried tokens over the finite values (NaN when there are none or no OPS)."""
+    if ops is None:
+        return {}
+    finite = ops[torch.isfinite(ops)]
+    return {"ops_mean": float(finite.mean()) if finite.numel() else float("nan")}
 
 
 def _ops_stats(result: VerifyResult) -> dict[str, float]:

@@ -161,6 +161,39 @@ def test_partial_keeps_everything_and_rollverify_cuts_drifted_suffixes():
     assert verified.ledger.cut_tokens > 0
 
 
+VERIFY_STATS = {
+    "responses", "verified_tokens", "kept_tokens", "acceptance_rate", "kept_whole_rate", "restarted", "truncated",
+    "staleness_mean", "staleness_max", "ops_mean", "ops_response_mean", "ops_response_max",
+    "ops_nonfinite_responses", "ops_segment_mean", "segments", "cut_by_seq_stage", "cut_by_token_stage",
+    "switch_estimate", "switched",
+}
+
+
+@pytest.mark.parametrize("mode", ["partial", "rollverify"])
+def test_strategy_statistics_reach_the_metrics_whole_and_ops_is_computed_once_a_step(mode, monkeypatch):
+    import rollverify.strategies as strategies
+
+    calls = []
+    real = strategies.token_ops
+    monkeypatch.setattr(strategies, "token_ops", lambda old, new, out=None: calls.append(old.numel()) or real(old, new))
+    loop, _, _ = make_loop(mode, drift=0.05)
+    for _ in range(3):
+        before = len(calls)
+        m = loop.run_step().metrics
+        assert m["n_carried"] > 0
+        carried_tokens = m["verify/verified_tokens"]
+        assert calls[before:] == [carried_tokens]  # one OPS computation, over exactly the carried tokens
+        assert m["ops_mean"] == m["verify/ops_mean"] > 0  # partial reports it too (monitor_ops)
+        assert m["acceptance_rate"] == m["verify/acceptance_rate"]
+        stats = {k.removeprefix("verify/") for k in m if k.startswith("verify/")}
+        if mode == "rollverify":
+            assert stats == VERIFY_STATS
+            assert m["verify/cut_by_seq_stage"] + m["verify/cut_by_token_stage"] >= m["verify/truncated"]
+        else:
+            assert stats == {"responses", "verified_tokens", "kept_tokens", "acceptance_rate", "kept_whole_rate",
+                             "restarted", "truncated", "staleness_mean", "staleness_max", "ops_mean"}
+
+
 def test_conditional_switch_fires_on_low_acceptance_and_stops_carrying_over():
     loop, engine, _ = make_loop("rollverify", drift=5.0, switch_window=2, switch_tau=0.5)
     modes, switched_at = [], None
@@ -169,6 +202,7 @@ def test_conditional_switch_fires_on_low_acceptance_and_stops_carrying_over():
         modes.append(m["mode"])
         if m["switched"] and switched_at is None:
             switched_at = step
+            assert m["verify/switched"] == 1.0 and m["verify/switch_estimate"] < 0.5
     assert switched_at is not None and switched_at >= 1  # the window must fill first
     assert modes[-1] == "on_policy"
     assert not loop.buffer.groups  # once on-policy, steps complete everything they launch

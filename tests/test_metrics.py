@@ -18,10 +18,15 @@ from rollverify.metrics import (
     make_record,
     plot_comparison,
     summarize,
-    truncate_metrics,
 )
 
 PNG = b"\x89PNG\r\n\x1a\n"
+VERIFY = {  # what the loop adds under verify/: the strategy's statistics, whole
+    "verify/cut_by_seq_stage": 2.0,
+    "verify/cut_by_token_stage": 1.0,
+    "verify/switch_estimate": float("nan"),
+    "verify/note": "a string",
+}
 NO_TB = SimpleNamespace(tensorboard=False, plots=False, wandb=False)
 
 
@@ -77,7 +82,7 @@ def test_writer_files_and_plots(tmp_path):
     with MetricsWriter(tmp_path, log) as w:
         for k in range(1, 7):
             w.write(_step(k, eval_reward=0.4 if k % 3 == 0 else None))
-        w.write(_step(7, mode="on_policy", switched=True, acceptance_rate=None))
+        w.write(_step(7, mode="on_policy", switched=True, acceptance_rate=None, **VERIFY))
         with pytest.raises(ValueError, match="not after"):
             w.write(_step(7))
         summary = w.close(extra={"wall_s": 12.5, "ledger": {"launched": 64}})
@@ -93,11 +98,13 @@ def test_writer_files_and_plots(tmp_path):
     )
     assert summary["step_total_s"] == pytest.approx(7 * 1.8) and summary["tokens_generated"] == 7000
     assert summary["acceptance_rate_mean"] == pytest.approx(np.mean([0.9 - 0.05 * k for k in range(1, 7)]))
-    for name in ("reward", "entropy", "ops", "acceptance", "step_time", "overview"):
+    for name in ("reward", "entropy", "ops", "acceptance", "cuts", "step_time", "overview"):
         _assert_png(tmp_path / "plots" / f"{name}.png")
     assert sorted(summary["plots"]) == sorted(
-        f"plots/{n}.png" for n in ("reward", "entropy", "ops", "acceptance", "step_time", "overview")
+        f"plots/{n}.png" for n in ("reward", "entropy", "ops", "acceptance", "cuts", "step_time", "overview")
     )
+    last = json.loads(lines[-1])
+    assert last["verify/cut_by_seq_stage"] == 2.0 and last["verify/switch_estimate"] is None  # NaN -> null
     events = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 100
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -105,6 +112,9 @@ def test_writer_files_and_plots(tmp_path):
     acc = EventAccumulator(str(tmp_path / "tensorboard"))
     acc.Reload()
     assert [e.step for e in acc.Scalars("reward_mean")] == list(range(1, 8))
+    assert [(e.step, e.value) for e in acc.Scalars("verify/cut_by_seq_stage")] == [(7, 2.0)]
+    assert "verify/switch_estimate" not in acc.Tags()["scalars"]  # null: nothing to draw
+    assert "verify/note" not in acc.Tags()["scalars"]  # strings go to the JSONL record only
     with pytest.raises(RuntimeError, match="closed"):
         w.write(_step(8))
 
@@ -136,7 +146,6 @@ def test_resume_truncates_later_steps(tmp_path):
     # a fresh run (no resume) into a used directory starts over
     MetricsWriter(other, NO_TB).close()
     assert load_metrics(other) == []
-    assert [r["step"] for r in truncate_metrics(tmp_path, 2)] == [1, 2]
 
 
 def test_tensorboard_purges_on_resume(tmp_path):

@@ -57,7 +57,7 @@ def test_on_policy_restarts_anything_handed_in():
     rs, new = carried()
     out = OnPolicy().apply(rs, None, policy_version=3)
     assert out.keep_lengths.tolist() == [0, 0, 0, 0]
-    assert out.restarted == ["0-0", "0-1", "0-2"]
+    assert out.stats["restarted"] == 3.0  # the empty response had nothing to lose
     assert not OnPolicy.carries_over
 
 
@@ -105,16 +105,29 @@ def test_packed_new_logprobs_are_accepted():
     assert RollVerify(0.1, INF).apply(rs, packed, 3).keep_lengths.tolist() == [2, 0, 1, 0]
 
 
-def test_outcome_applies_decisions():
+def test_outcome_decisions_and_counts():
     rs, new = carried()
     out = RollVerify(0.1, INF).apply(rs, new, 3)
     assert out.decisions == {"0-0": 2, "0-1": 0, "0-2": 1, "0-3": 0}
-    assert out.restarted == ["0-1"]
-    assert out.apply(rs) == 2 + 3
-    assert [r.num_tokens for r in rs] == [2, 0, 1, 0]
-    assert not rs[1].finished  # a finished response that lost tokens resumes
-    with pytest.raises(ValueError, match="same responses"):
-        out.apply(rs[:2])
+    assert out.stats["restarted"] == 1.0 and out.stats["truncated"] == 1.0
+
+
+def test_token_ops_are_computed_once_and_feed_both_the_cut_and_ops_mean(monkeypatch):
+    import rollverify.strategies as strategies
+
+    calls = []
+    real = strategies.token_ops
+    monkeypatch.setattr(strategies, "token_ops", lambda old, new, out=None: calls.append(old.numel()) or real(old, new))
+    rs, new = carried()
+    out = RollVerify(0.1, 2.0).apply(rs, new, 3)
+    assert calls == [8] and out.keep_lengths.tolist() == [2, 0, 1, 0]
+    assert out.stats["ops_mean"] == pytest.approx((0.5 + 0.5 + 3) / 8, rel=1e-5)
+    # a strategy that decides without OPS reports it when given new log-probs (monitoring), not otherwise
+    assert Partial().apply(rs, new, 3).stats["ops_mean"] == pytest.approx(4 / 8, rel=1e-5)
+    assert "ops_mean" not in Partial().apply(rs, None, 3).stats and calls == [8, 8]
+    new[1][1] = -np.inf  # the new policy forbids B's token 1: D = inf, left out of the mean
+    out = OpsFilter(0.3).apply(rs, new, 3)
+    assert out.stats["ops_mean"] == pytest.approx(1 / 7, rel=1e-5) and out.stats["ops_nonfinite_responses"] == 1.0
 
 
 def test_new_logprobs_checks():
