@@ -322,7 +322,8 @@ def check_verify(env: Env) -> Check:
     lengths = torch.randint(1, 400, (64,), generator=g)
     n = int(lengths.sum())
     old = -torch.rand(n, generator=g, dtype=torch.float64) * 3
-    new = old + torch.randn(n, generator=g, dtype=torch.float64) * 0.05
+    drift = torch.repeat_interleave(torch.rand(len(lengths), generator=g, dtype=torch.float64) * 0.05, lengths)
+    new = old + torch.randn(n, generator=g, dtype=torch.float64) * drift  # some responses kept, some cut
     versions = torch.cat([torch.sort(torch.randint(0, 4, (int(k),), generator=g)).values for k in lengths])
     cpu = two_stage_verify(old, new, versions, lengths, d_s=0.02, d_t=2.0)
     dev = two_stage_verify(*(t.to(env.device) for t in (old, new, versions, lengths)), d_s=0.02, d_t=2.0)
