@@ -100,22 +100,6 @@ class RolloutBuffer:
         unfinished.sort(key=lambda r: r.num_tokens == 0)
         return [ResumeRequest(r.response_id, r.input_ids, r.remaining_budget, r.num_tokens > 0) for r in unfinished]
 
-    def staleness(self, policy_version: int) -> dict[str, int]:
-        """Staleness (policy_version - oldest token version) of each carried-over response."""
-        return {r.response_id: r.staleness(policy_version) for r in self.carried_over()}
-
-    def stats(self, policy_version: int) -> dict[str, float]:
-        carried = self.carried_over()
-        stale = [r.staleness(policy_version) for r in carried]
-        return {
-            "groups": float(len(self.groups)),
-            "finished_groups": float(len(self.completed)),
-            "carried_responses": float(len(carried)),
-            "carried_tokens": float(sum(r.num_tokens for r in carried)),
-            "staleness_mean": float(np.mean(stale)) if stale else 0.0,
-            "staleness_max": float(max(stale, default=0)),
-        }
-
     def _note(self, group: Group) -> bool:
         if group.finished and group.group_id not in self.completed:
             self.completed.append(group.group_id)

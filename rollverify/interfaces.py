@@ -1,7 +1,10 @@
 """The two boundaries the loop talks to: a rollout engine and a trainer.
 
-`sglang_ext` and `megatron_bridge` implement them; `rollverify` never imports either. Every array is numpy, so
-the same objects cross a ZMQ frame, a process boundary or a checkpoint without conversion.
+`sglang_ext.rollout_engine.SGLangRolloutEngine` and `megatron_bridge.loop_adapter.LoopTrainer` implement them
+for real runs, `rollverify.sim`'s `SimEngine` and `SimTrainer` for the simulator. The loop, the buffer and the
+strategies know only these protocols; the backends are imported lazily, inside functions, by the entry points
+that build a run (`train`, `demo`, `export`, `plan`, `cli`). Every array is numpy, so the same objects cross a
+ZMQ frame, a process boundary or a checkpoint without conversion.
 """
 
 from __future__ import annotations
@@ -64,7 +67,6 @@ class RolloutEngine(Protocol):
 
     def update_weights(self, buckets: Iterator[list[tuple[str, object]]], version: int) -> None:
         """Load the new policy's HF-named tensors, bucket by bucket; later tokens record `version`."""
-
 
 
 class Trainer(Protocol):

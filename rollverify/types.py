@@ -177,14 +177,6 @@ class Response:
             self.finished, self.finish_reason, self.reward = False, None, None
         return cut
 
-    def segments(self) -> list[tuple[int, int, int]]:
-        """(start, end, version) of each maximal run of equal version, in order."""
-        if not self.num_tokens:
-            return []
-        cuts = np.flatnonzero(np.diff(self.versions)) + 1
-        bounds = [0, *cuts.tolist(), self.num_tokens]
-        return [(a, b, int(self.versions[a])) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
-
 
 @dataclass(eq=False)
 class Group:
@@ -254,20 +246,5 @@ class PackedBatch:
         )
 
     @property
-    def offsets(self) -> Tensor:
-        """[R] packed position of each response's first generated token."""
-        return torch.cumsum(self.lengths, 0) - self.lengths
-
-    @property
     def num_tokens(self) -> int:
         return self.token_ids.shape[0]
-
-    def to(self, device: str | torch.device) -> PackedBatch:
-        tensors = {k: v.to(device) for k, v in vars(self).items() if isinstance(v, Tensor)}
-        return PackedBatch(response_ids=self.response_ids, **tensors)
-
-    def split(self, flat: Tensor) -> list[Tensor]:
-        """Cut a per-token [N] tensor back into one tensor per response."""
-        if flat.shape[:1] != (self.num_tokens,):
-            raise ValueError(f"split needs a tensor with {self.num_tokens} rows, got {tuple(flat.shape)}")
-        return list(torch.split(flat, self.lengths.tolist()))

@@ -35,7 +35,6 @@ def test_append_stores_typed_per_token_fields():
     assert r.finished and r.finish_reason == "stop"
     assert r.remaining_budget == 13
     assert r.input_ids.tolist() == [1, 2, 3, 5, 6, 7]
-    assert r.segments() == [(0, 2, 2), (2, 3, 3)]
     assert r.staleness(5) == 3
 
 
@@ -145,17 +144,14 @@ def test_packed_batch_round_trip():
     rs[2].index = 2
     b = PackedBatch.from_responses(rs)
     assert b.response_ids == ["3-1", "3-1", "3-2"]
-    assert b.lengths.tolist() == [3, 0, 2] and b.offsets.tolist() == [0, 3, 3]
+    assert b.lengths.tolist() == [3, 0, 2]
     assert b.versions.dtype == torch.int64 and b.versions.tolist() == [1, 1, 1, 2, 2]
     assert b.logprobs.dtype == torch.float32 and b.token_ids.dtype == torch.int64
     assert b.prompt_lengths.tolist() == [3, 3, 3] and b.num_tokens == 5
-    parts = b.split(b.token_ids)
+    parts = torch.split(b.token_ids, b.lengths.tolist())
     assert [p.tolist() for p in parts] == [r.token_ids.tolist() for r in rs]
-    assert b.to("cpu").lengths.tolist() == [3, 0, 2]
-    with pytest.raises(ValueError, match="split needs a tensor with 5 rows"):
-        b.split(torch.zeros(4))
 
 
 def test_packed_batch_empty():
     b = PackedBatch.from_responses([])
-    assert b.num_tokens == 0 and b.lengths.tolist() == [] and b.split(b.logprobs) == []
+    assert b.num_tokens == 0 and b.lengths.tolist() == [] and b.logprobs.tolist() == []
