@@ -61,9 +61,9 @@ def _worker(rank: int, world_size: int, port: int, model_path: str, cfg: Trainer
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(threads)
-    import warnings
+    from rollverify.console import quiet_cpu_warnings
 
-    warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
+    quiet_cpu_warnings()  # each rank is a fresh process: the driver's filters do not reach it
     try:
         from megatron_bridge.trainer import MegatronTrainer
 
