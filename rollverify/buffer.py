@@ -4,7 +4,8 @@ A group is finished when all n of its responses finished; finished groups leave 
 order they completed, B at a time, as training batches. Everything else stays: after each optimizer step its
 responses with tokens are the carried-over set that a strategy verifies (``carried_over``), truncation
 decisions are applied (``apply_truncation``), and the next rollout resumes every unfinished response from
-prompt + kept tokens with the remaining budget (``pending``).
+prompt + kept tokens with its remaining budget (``pending``: the responses themselves, which the engine
+submits as they are).
 
 Checkpoints hold no pickle: ``to_state`` gives a JSON-able dict plus a flat dict of numpy arrays, and
 ``save``/``load`` put both in one ``.npz`` file (the JSON as a uint8 array).
@@ -14,23 +15,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from rollverify.types import Group, Response
-
-
-@dataclass
-class ResumeRequest:
-    """What the next rollout phase submits for one unfinished response."""
-
-    response_id: str
-    input_ids: np.ndarray  # prompt + kept generated tokens
-    max_new_tokens: int  # the remaining budget
-    resumed: bool  # True: continues earlier tokens; False: starts from the prompt
 
 
 class RolloutBuffer:
@@ -94,11 +84,11 @@ class RolloutBuffer:
         self.completed = [g for g in self.completed if self.groups[g].finished]
         return cut
 
-    def pending(self) -> list[ResumeRequest]:
+    def pending(self) -> list[Response]:
         """Unfinished responses for the next rollout: those continuing earlier tokens first."""
         unfinished = [r for g in self.groups.values() for r in g.responses if not r.finished]
         unfinished.sort(key=lambda r: r.num_tokens == 0)
-        return [ResumeRequest(r.response_id, r.input_ids, r.remaining_budget, r.num_tokens > 0) for r in unfinished]
+        return unfinished
 
     def _note(self, group: Group) -> bool:
         if group.finished and group.group_id not in self.completed:

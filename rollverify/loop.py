@@ -163,11 +163,9 @@ class Loop:
         self.paused = False
         # on_policy completes exactly B groups, the backlog's first; the carry-over modes keep the engines full
         phase = None if carries_over else self._on_policy_groups()
-        runnable = [
-            p for p in buffer.pending() if phase is None or buffer.get(p.response_id).group_id in phase
-        ]
+        runnable = [r for r in buffer.pending() if phase is None or r.group_id in phase]
         # after a restore, a lost server or a switch the engine no longer holds some unfinished responses
-        self._submit([buffer.get(p.response_id) for p in runnable if p.response_id not in self.on_engine])
+        self._submit([r for r in runnable if r.response_id not in self.on_engine])
         launched_now = 0
         last_progress = time.monotonic()
         while True:

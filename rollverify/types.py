@@ -90,11 +90,6 @@ class Response:
         """Tokens the next rollout may still generate for this response."""
         return self.max_new_tokens - self.num_tokens
 
-    @property
-    def input_ids(self) -> np.ndarray:
-        """What the engine resumes from: prompt + kept generated tokens."""
-        return np.concatenate([self.prompt_ids, self.token_ids])
-
     def staleness(self, policy_version: int) -> int:
         """policy_version - min(versions): how many updates the oldest token lags (0 when empty)."""
         return int(policy_version - self.versions.min()) if self.num_tokens else 0
@@ -214,15 +209,13 @@ class Group:
 
 @dataclass(eq=False)
 class PackedBatch:
-    """Generated tokens of many responses laid end to end (flat tensors + per-response lengths)."""
+    """What verification reads of many responses, laid end to end: per-token log-probs and versions (flat
+    tensors) plus per-response lengths. Token ids and prompts stay in the responses: no strategy reads them."""
 
     response_ids: list[str]
-    token_ids: Tensor  # [N] int64
     logprobs: Tensor  # [N] float32, the engine's
     versions: Tensor  # [N] int64
     lengths: Tensor  # [R] int64, summing to N
-    prompt_ids: Tensor  # [P] int64, the prompts end to end
-    prompt_lengths: Tensor  # [R] int64
 
     @classmethod
     def from_responses(cls, responses: Sequence[Response], device: str | torch.device = "cpu") -> PackedBatch:
@@ -230,21 +223,13 @@ class PackedBatch:
             flat = np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype)
             return torch.from_numpy(flat).to(device)
 
-        def lens(arrays: list[np.ndarray]) -> Tensor:
-            return torch.tensor([len(a) for a in arrays], dtype=torch.int64, device=device)
-
-        tokens = [r.token_ids for r in responses]
-        prompts = [r.prompt_ids for r in responses]
         return cls(
             response_ids=[r.response_id for r in responses],
-            token_ids=cat(tokens, np.int64),
             logprobs=cat([r.logprobs for r in responses], np.float32),
             versions=cat([r.versions for r in responses], np.int64),
-            lengths=lens(tokens),
-            prompt_ids=cat(prompts, np.int64),
-            prompt_lengths=lens(prompts),
+            lengths=torch.tensor([r.num_tokens for r in responses], dtype=torch.int64, device=device),
         )
 
     @property
     def num_tokens(self) -> int:
-        return self.token_ids.shape[0]
+        return self.logprobs.shape[0]

@@ -59,10 +59,10 @@ def test_pending_resumes_continuations_first_with_remaining_budget():
     b = filled_buffer()
     b.pop_finished()
     b.apply_truncation({"2-0": 2})
-    reqs = b.pending()
-    assert [(q.response_id, q.resumed, q.max_new_tokens) for q in reqs] == [("2-0", True, 6), ("2-1", False, 8)]
-    assert reqs[0].input_ids.tolist() == [102, 7, 1, 2]
-    assert reqs[1].input_ids.tolist() == [102, 7]
+    pending = b.pending()
+    assert [(r.response_id, r.num_tokens, r.remaining_budget) for r in pending] == [("2-0", 2, 6), ("2-1", 0, 8)]
+    assert pending[0] is b.get("2-0")  # the buffer's own record: the engine resubmits it as it is
+    assert pending[0].prompt_ids.tolist() == [102, 7] and pending[0].token_ids.tolist() == [1, 2]
 
 
 def test_lookup_and_duplicate_errors():
@@ -129,4 +129,4 @@ def test_one_verification_round_through_a_strategy():
     assert outcome.decisions == {"0-0": 1, "0-1": 2, "2-0": 3}
     b.apply_truncation(outcome.decisions)
     assert b.num_finished == 0
-    assert [(q.response_id, q.max_new_tokens) for q in b.pending()] == [("0-1", 6), ("2-0", 5), ("2-1", 8)]
+    assert [(r.response_id, r.remaining_budget) for r in b.pending()] == [("0-1", 6), ("2-0", 5), ("2-1", 8)]
