@@ -10,7 +10,8 @@ For step k under policy version k:
    beyond B wait off the engines, holding no tokens, for a later step.
 2. Train: the first B finished groups make one optimizer step (version k -> k+1).
 3. Verify: every response still in the buffer (all went stale) is checked against version k+1 by the
-   strategy of the mode and cut to its verified prefix, in the buffer and on the engine. The verification
+   strategy of the mode and cut to its verified prefix, in the buffer and on the engine; the strategy's
+   statistics are logged whole under ``verify/``, a few of them also under their own names. The verification
    that switches to on_policy keeps the verified prefixes of the B groups the next step completes and sends
    every other group back to its prompt, off the engines: the switch wastes at most the backlog of that one
    step, and every later step generates only what it trains.
@@ -54,7 +55,7 @@ class LoopConfig:
     use_std: bool = True  # GRPO: divide advantages by the group std
     wait_s: float = 0.05  # how long one poll for finished responses blocks
     phase_timeout_s: float = 600.0  # a rollout phase that makes no progress this long is an error
-    monitor_ops: bool = True  # compute OPS of carried-over tokens even in modes that do not verify (partial)
+    monitor_ops: bool = True  # new log-probs of carried-over tokens even in modes that do not verify (ops_mean)
 
 
 @dataclass
@@ -263,6 +264,7 @@ class Loop:
     # --- 3. verify ------------------------------------------------------------------------------------------
 
     def verify(self) -> dict[str, Any]:
+        """Verify and cut the carried-over responses; returns the step's verification metrics."""
         carried = self.buffer.carried_over()
         stats: dict[str, Any] = {"n_carried": len(carried)}
         if not carried:

@@ -157,7 +157,8 @@ class ConditionalSwitch:
 
 
 class Strategy:
-    """Base: subclasses decide keep lengths; the base packs inputs and computes the common stats."""
+    """Base: subclasses decide keep lengths; the base packs inputs, computes token OPS (once, when new
+    log-probs are given) and the common stats."""
 
     mode = ""
     carries_over = True  # False: the rollout phase waits for every launched group
