@@ -75,6 +75,7 @@ class ServeConfig:
     ready_file: str | None = None
     exit_with_parent: bool = False
     version: int = 0
+    idle_nice: int = 19  # niceness of SGLang's processes while nothing generates (0: unchanged)
     engine: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -91,9 +92,11 @@ def bind_address(endpoint: str) -> str:
 
 def check_config(cfg: ServeConfig) -> None:
     """Everything `serve` refuses before it starts SGLang: an open endpoint (check_endpoint), a starting weights
-    version outside [0, 2**31 - 1] (versions travel as int32 per token)."""
+    version outside [0, 2**31 - 1] (versions travel as int32 per token), a niceness outside [0, 19]."""
     if not 0 <= cfg.version <= INT32_MAX:
         raise ConfigError(f"--weights-version {cfg.version} is outside [0, {INT32_MAX}]")
+    if not 0 <= cfg.idle_nice <= 19:
+        raise ConfigError(f"--idle-nice {cfg.idle_nice} is outside [0, 19]")
     check_endpoint(cfg)
 
 
@@ -161,6 +164,8 @@ class ControlServer:
         self._stopping = False
         self._tasks: set[asyncio.Task] = set()
         self.tokens_generated = 0
+        self._generating = 0  # engine requests in flight (their _generate tasks)
+        self._set_idle = getattr(engine, "set_idle", None)
         self.started = time.time()
         self.endpoint: str | None = None
         self.sock = None
@@ -389,10 +394,23 @@ class ControlServer:
         sampling = dict(rec.sampling_args)
         sampling["max_new_tokens"] = rec.remaining
         input_ids = np.concatenate([rec.prompt, rec.tokens]).tolist()
+        if self._generating == 0 and self._set_idle is not None:
+            self._set_idle(False)
+        self._generating += 1
         rec.task = self._spawn(self._generate(rec, rec.engine_rid(), input_ids, sampling, routes_start))
         rec.state = State.RUNNING
 
     async def _generate(
+        self, rec: Record, erid: str, input_ids: list[int], sampling: dict, routes_start
+    ) -> None:
+        try:
+            await self._generate_one(rec, erid, input_ids, sampling, routes_start)
+        finally:
+            self._generating -= 1
+            if self._generating == 0 and self._set_idle is not None:
+                self._set_idle(True)
+
+    async def _generate_one(
         self, rec: Record, erid: str, input_ids: list[int], sampling: dict, routes_start
     ) -> None:
         try:
@@ -928,6 +946,7 @@ def serve(cfg: ServeConfig) -> None:
     cpu_compat.activate()
     engine = EngineHandle.start(info, routes=routes, **cfg.engine)
     try:
+        engine.enable_idle_nice(cfg.idle_nice)
         server = ControlServer(cfg, engine)
         engine.loop.run_until_complete(_bind_and_run(server))
     finally:
@@ -979,6 +998,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--weights-version", type=int, default=0, help="version recorded on tokens before any update"
     )
+    p.add_argument(
+        "--idle-nice",
+        type=int,
+        default=19,
+        help="niceness of SGLang's processes while nothing generates (their idle loop spins a core); 0: unchanged",
+    )
     p.add_argument("--dtype", help="engine dtype (CPU default float32)")
     p.add_argument("--tp-size", type=int)
     p.add_argument("--mem-fraction-static", type=float)
@@ -1010,6 +1035,7 @@ def config_from_args(a: argparse.Namespace) -> ServeConfig:
         ready_file=a.ready_file,
         exit_with_parent=a.exit_with_parent,
         version=a.weights_version,
+        idle_nice=a.idle_nice,
         engine=engine,
     )
 
