@@ -80,9 +80,6 @@ ARCH_PRESETS: dict[str, dict[str, Any]] = {
 PROCESS_OVERHEAD = int(1.5 * GiB)
 # SGLang picks mem_fraction_static itself when the config does not; plan assumes this value then.
 DEFAULT_MEM_FRACTION = 0.85
-# Whether the trainer runs MoE with tp > 1 (megatron_bridge.trainer.MegatronTrainer: then only with sequence
-# parallelism and ep > 1, experts whole on each rank); plan refuses what the trainer refuses before anything starts.
-MOE_TENSOR_PARALLEL = False
 
 
 class PlanError(ConfigError):
@@ -171,10 +168,8 @@ def layout_problems(a: ModelArch, lay: TrainerLayout) -> list[str]:
         check_layout(a, tp=lay.tp, ep=lay.ep, pp=lay.pp)
     except UnsupportedCheckpoint as e:
         out.append(f"trainer.tp/ep/pp: {e}")
-    if a.moe and lay.tp > 1 and not MOE_TENSOR_PARALLEL:
-        out.append(f"trainer.tp = {lay.tp}: the trainer refuses MoE with tp > 1; set trainer.tp=1 and split "
-                   f"the experts with trainer.ep (e.g. ep={math.gcd(a.num_experts, 8)}), dp = GPUs / pp")
-    elif a.moe and lay.tp > 1 and (not lay.sequence_parallel or lay.ep == 1):
+    # MegatronTrainer: MoE under TP needs SP, and ep > 1 so that the whole experts' gradients are reduced over TP
+    if a.moe and lay.tp > 1 and (not lay.sequence_parallel or lay.ep == 1):
         out.append(f"trainer.tp = {lay.tp}: the trainer runs MoE under TP only with trainer.sequence_parallel=true "
                    f"and trainer.ep > 1 (got sequence_parallel={lay.sequence_parallel}, ep={lay.ep})")
     if a.moe and lay.recompute != "none" and lay.replay_train:
@@ -459,7 +454,7 @@ def _check_memory(p: Plan) -> None:
     if train_peak > cap:
         lay, a = p.layout, p.arch
         if t.activations > t.weights + t.gradients + t.optimizer:
-            split = "raise trainer.tp" if not (a.moe and not MOE_TENSOR_PARALLEL) else "the trainer keeps MoE at tp 1"
+            split = "raise trainer.tp (with sequence_parallel)"
             shorter = "lower trainer.micro_batch_tokens to the context, " if lay.micro_batch_tokens > p.context else ""
             if lay.recompute == "full":
                 recompute = ""

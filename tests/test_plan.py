@@ -23,10 +23,8 @@ from rollverify.plan import (
 )
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
-# Shipped configs plan refuses today, and why. The 30B-A3B layout the trainer accepts (tp 1, ep 8, no recompute
-# with routing replay) keeps ~168 GiB of activations for one 32K-token micro-batch: it fits once the trainer can
-# recompute under routing replay, or run MoE at tp > 1 with sequence parallelism.
-KNOWN_REFUSALS = {"qwen3_30b_a3b_base": "activations dominate"}
+# Shipped configs plan refuses, and why (none: every shipped config fits its cluster).
+KNOWN_REFUSALS: dict[str, str] = {}
 
 
 def plan_of(name: str, *overrides: str):
@@ -97,7 +95,7 @@ def test_memory_formulas_respond_to_the_layout():
 
 
 def test_moe_counts_experts_over_ep():
-    p = plan_of("qwen3_30b_a3b_base")
+    p = plan_of("qwen3_30b_a3b_base", "trainer.tp=1", "trainer.dp=32", "trainer.ep=8", "trainer.sequence_parallel=false")
     total = total_params(p.arch)
     assert abs(total / 1e9 - 30.5) < 0.1  # Qwen3-30B-A3B
     experts = 48 * 3 * 2048 * 768 * 128
@@ -113,7 +111,17 @@ def test_moe_counts_experts_over_ep():
     "name, overrides, message",
     [
         ("qwen3_8b_base", ["trainer.dp=32"], r"trainer world size 64 \(tp\*pp\*cp\*dp\) is larger than the GPUs = 32"),
-        ("qwen3_30b_a3b_base", ["trainer.tp=4", "trainer.dp=8"], r"trainer\.tp = 4: the trainer refuses MoE"),
+        (
+            "qwen3_30b_a3b_base",
+            ["trainer.sequence_parallel=false"],
+            r"trainer\.tp = 4: the trainer runs MoE under TP only with trainer\.sequence_parallel=true",
+        ),
+        ("qwen3_30b_a3b_base", ["trainer.tp=8", "trainer.dp=4"], r"key-value heads 4 are not both divisible by tp=8"),
+        (
+            "qwen3_30b_a3b_base",
+            ["trainer.tp=1", "trainer.dp=32", "trainer.ep=8", "trainer.sequence_parallel=false"],
+            r"trainer needs 212\.9 GiB per GPU .*activations 168\.2.*recompute is refused with MoE routing replay",
+        ),
         (
             "qwen3_8b_base",
             ["rollout.max_live=2048", "rollout.engine_args.max_running_requests=256"],
