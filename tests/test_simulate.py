@@ -71,7 +71,7 @@ def test_without_a_long_tail_carry_over_gains_nothing():
 
 
 def test_with_a_long_tail_carry_over_gains_and_verification_costs_some_of_it():
-    tail = replace(SMALL, workload=replace(SMALL.workload, sigma_response=1.2))
+    tail = replace(SMALL, workload=replace(SMALL.workload, sigma_response=1.2), drift=DriftModel(sigma=0.006, growth=0.0))
     results = {16384: {m: simulate(m, 16384, tail) for m in ("on_policy", "partial", "rollverify")}}
     row = compare(results)[0]
     assert row["partial_ratio"] < 0.8
@@ -92,7 +92,7 @@ def test_no_drift_keeps_everything_and_strong_drift_switches_to_on_policy():
     calm = replace(SMALL, drift=DriftModel(sigma=0.0, spike_rate=0.0))
     r = simulate("rollverify", 16384, replace(calm, workload=replace(SMALL.workload, sigma_response=1.2)))
     assert r.acceptance_mean == 1.0 and r.cut_fraction == 0.0 and r.switched_at is None
-    wild = replace(SMALL, drift=DriftModel(sigma=0.2), steps=8, algo=replace(SMALL.algo, switch_window=2))
+    wild = replace(SMALL, drift=DriftModel(sigma=0.2, growth=0.0), steps=8, algo=replace(SMALL.algo, switch_window=2))
     r = simulate("rollverify", 16384, replace(wild, workload=replace(SMALL.workload, sigma_response=1.2)))
     assert r.acceptance_mean < 0.5 and r.switched_at is not None and r.switched_at <= 4
 

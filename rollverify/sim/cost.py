@@ -68,7 +68,7 @@ class ClusterSpec:
     mfu_prefill: float = 0.45
     mfu_train: float = 0.25  # training and the verification forward (FSDP-class, long packed sequences)
     sync_bytes_per_s: float = 20e9  # trainer -> engines weight transfer (colocated, per GPU, in parallel)
-    sync_overhead_s: float = 15.0  # per step: colocated hand-over (offload/onload trainer and engine memory)
+    sync_overhead_s: float = 25.0  # per step: colocated hand-over (offload/onload), rewards, old log-probs
 
     def __post_init__(self) -> None:
         if self.gpu not in GPUS:
