@@ -23,8 +23,6 @@ from rollverify.plan import (
 )
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
-# Shipped configs plan refuses, and why (none: every shipped config fits its cluster).
-KNOWN_REFUSALS: dict[str, str] = {}
 
 
 def plan_of(name: str, *overrides: str):
@@ -34,10 +32,7 @@ def plan_of(name: str, *overrides: str):
 @pytest.mark.parametrize("name", sorted(p.stem for p in CONFIGS.glob("*.yaml")))
 def test_every_shipped_config_is_planned(name):
     p = plan_of(name)
-    if name in KNOWN_REFUSALS:
-        assert len(p.problems) == 1 and KNOWN_REFUSALS[name] in p.problems[0], p.problems
-    else:
-        assert p.problems == [], p.problems
+    assert p.problems == [], p.problems
     c = p.cfg.cluster
     # every trainer rank has its own GPU (or CPU slot), every server its own GPUs, none across nodes
     assert len(p.ranks) == p.cfg.trainer.world_size
