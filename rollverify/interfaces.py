@@ -43,7 +43,7 @@ class Chunk:
 
 
 class RolloutEngine(Protocol):
-    """One or several SGLang servers seen as one pool of capacity."""
+    """One or several rollout servers (SGLang, or the simulator's model of them) seen as one pool of capacity."""
 
     def submit(self, responses: Sequence[Response], sampling: SamplingParams) -> None:
         """Generate each response from prompt + its current tokens, up to its remaining budget."""
