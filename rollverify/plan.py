@@ -16,10 +16,11 @@ Memory per GPU, in bytes (formulas documented in docs/cluster.md, "What plan cou
   trainer reduces gradients in fp32), fp32 main params + Adam moments (12 B/param) sharded by the distributed
   optimizer over data parallel (dense: dp*cp ranks; experts: world / (pp*ep*etp)); activations of one
   micro-batch of max(micro_batch_tokens, context) tokens (`layer_activation_bytes` per token per layer, all
-  layers held: 1F1B keeps pp micro-batches of L/pp layers on the first stage; full recompute keeps each layer's
-  input plus one layer's working set); the final hidden states and one log-prob chunk of logits.
-* server: weights / tp_size; KV cache for min(ceil(max_live / n_servers), max_running_requests) responses at
-  full context, 2 * layers * max(1, kv_heads / tp) * head_dim * kv_bytes per token per GPU; the KV pool SGLang
+  layers held: 1F1B keeps pp micro-batches of L/pp layers on the first stage; selective recompute drops
+  `selective_freed_bytes`; full recompute keeps each layer's input plus one layer's working set); the final
+  hidden states and one log-prob chunk of logits.
+* server: weights / tp_size; KV cache for min(ceil(max_live / n_servers) + n - 1, max_running_requests)
+  responses at full context, 2 * layers * max(1, kv_heads / tp) * head_dim * kv_bytes per token per GPU; the KV pool SGLang
   can have is mem_fraction_static * GPU memory - weights (or `max_total_tokens` when set).
 * colocated: rollout and training take turns (each side releases its memory for the other's phase), so each
   phase's peak plus the other side's idle process must fit; disaggregated: each side on its own GPUs.
@@ -531,6 +532,8 @@ def render(p: Plan) -> str:
         lines.append(f"  GPU {c.gpu_memory_gib} GiB; rollout reserves mem_fraction_static {frac} = "
                      f"{frac * c.gpu_memory_gib:.1f} GiB (KV pool {s.kv_pool_tokens} tokens); plus "
                      f"{PROCESS_OVERHEAD / GiB:.1f} GiB per process not counted above")
+        if c.placement == "colocated":
+            lines.append("  colocated: one phase at a time, each side releasing its GPU memory for the other's phase")
     else:
         lines.append("  trainer rows: the bf16 GPU formulas, for scale; nothing is checked against RAM")
     lines.append("")
