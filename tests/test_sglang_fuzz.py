@@ -353,10 +353,10 @@ def test_fuzz_fake_engine_survives_hostile_frames():
     with FakeServer(FakeEngine(step_s=0.001)) as s:
         w = Wire(s.endpoint, timeout_s=30)
         try:
-            res = fuzz(w, seed=15, batches=6, per_batch=400, max_new=40, max_wait_s=30)
+            res = fuzz(w, seed=15, batches=5, per_batch=1000, max_new=40, max_wait_s=30)
         finally:
             w.close()
-    assert res["frames"] == 2400
+    assert res["frames"] == 5000
     # the generator reached every kind of refusal the doc lists for bad input
     for code in ("MALFORMED", "PROTOCOL_VERSION", "UNKNOWN_TYPE", "INVALID", "WEIGHT_INVALID"):
         assert res["codes"].get(code, 0) > 0, res["codes"]
@@ -539,6 +539,7 @@ def test_fuzz_real_engine_short_run(moe_server):
         # SGLang's processes (whose idle loop spins) run at niceness 19 exactly while nothing generates
         if os.geteuid() == 0:  # restoring a priority needs the right to; without it the server leaves it alone
             children = [psutil.Process(p) for p in served.proc.descendants()]
+            children = [c for c in children if c.name().startswith("sglang::")]  # scheduler, detokenizer
             base = psutil.Process(served.proc.pid).nice()
             assert children and {c.nice() for c in children} == {19}
             w.ok("submit", submit_body(["long"], [[5, 6]], 3000), submit_buffers([[5, 6]]))
@@ -547,7 +548,7 @@ def test_fuzz_real_engine_short_run(moe_server):
             assert {c.nice() for c in children} == {19}
             w.ok("drop", {"all": True})
             w.ok("resume")
-        res = fuzz(w, seed=2, batches=2, per_batch=100, max_new=8)
+        res = fuzz(w, seed=2, batches=3, per_batch=100, max_new=8)
         print(f"real engine: {res}")
     finally:
         w.close()
