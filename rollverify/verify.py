@@ -219,24 +219,24 @@ def _scan(ops: _Source, versions: Tensor, block: int) -> tuple[Tensor, Tensor]:
         if e - s < x.shape[0]:
             x[e - s :] = 0.0  # the last row's padding
         torch.sum(x.view(-1, ROW), dim=1, out=row_sums[s // ROW : s // ROW + x.shape[0] // ROW])
-        lo = max(s, 1)
-        c = torch.ne(versions[lo:e], versions[lo - 1 : e - 1], out=changed[: e - lo])
-        changes.append(_flatnonzero(c) + lo)
+        changes.append(_version_changes(versions, max(s, 1), e, changed))
     return row_sums, torch.cat(changes)
 
 
-def _flatnonzero(mask: Tensor) -> Tensor:
-    """Indices of the True entries of a 1-D bool tensor holding few of them.
+def _version_changes(versions: Tensor, lo: int, e: int, scratch: Tensor) -> Tensor:
+    """Sorted positions j in [lo, e) (lo >= 1) where versions[j] != versions[j - 1]; ``scratch`` is a bool
+    buffer of at least e - lo flags.
 
-    On CPU the flags are scanned eight at a time as 64-bit words (a bool is one byte, True is 1), and only
-    the words holding a True are looked into: several times faster than a scan flag by flag."""
-    if mask.device.type != "cpu":
-        return torch.nonzero(mask).squeeze(1)
-    m = mask.numpy()
+    Changes are few: on CPU the flags are scanned eight at a time as 64-bit words (a bool is one byte, True
+    is 1) and only the words holding a change are looked into, several times faster than flag by flag."""
+    if versions.device.type != "cpu":
+        return torch.nonzero(torch.ne(versions[lo:e], versions[lo - 1 : e - 1])).squeeze(1) + lo
+    v, m = versions.numpy(), scratch.numpy()[: e - lo]
+    np.not_equal(v[lo:e], v[lo - 1 : e - 1], out=m)
     w = m.shape[0] // 8 * 8
-    words = np.flatnonzero(m[:w].view(np.uint64))
+    words = np.flatnonzero(m[:w].view(np.uint64) != 0)  # numpy's nonzero is fast on bool, slow on integers
     r, c = np.nonzero(m[:w].reshape(-1, 8)[words])
-    return torch.from_numpy(np.concatenate([words[r] * 8 + c, np.flatnonzero(m[w:]) + w]))
+    return torch.from_numpy(np.concatenate([words[r] * 8 + c, np.flatnonzero(m[w:]) + w]) + lo)
 
 
 def _gather_rows(x: Tensor, rows: Tensor) -> Tensor:
