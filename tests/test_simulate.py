@@ -102,6 +102,10 @@ def test_cli_refuses_bad_input_before_simulating(capsys, tmp_path):
     assert "--steps" in capsys.readouterr().err and not (tmp_path / "x").exists()
     assert cli(["simulate", "--contexts", "100", "--out", str(tmp_path / "y")]) == 2
     assert "context" in capsys.readouterr().err and not (tmp_path / "y").exists()
+    (tmp_path / "z").mkdir()
+    (tmp_path / "z" / "simulate.json").write_text("mine")
+    assert cli(["simulate", "--out", str(tmp_path / "z")]) == 2
+    assert "--force" in capsys.readouterr().err and (tmp_path / "z" / "simulate.json").read_text() == "mine"
 
 
 def test_paper_comparison_reports_the_error_against_table_7():

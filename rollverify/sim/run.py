@@ -228,17 +228,21 @@ def cli_main(argv: list[str] | None = None) -> int:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--steps", type=int, default=SimConfig.steps, help="simulated steps per run")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force", action="store_true", help="replace an earlier simulate.json / simulate.png in --out")
     a = p.parse_args(argv)
+    out = Path(a.out)
     try:
         if a.steps < 1:
             raise ValueError(f"--steps must be >= 1, got {a.steps}")
+        written = [f for f in (out / "simulate.json", out / "simulate.png") if f.exists()]
+        if written and not a.force:
+            raise ValueError(f"{written[0]} exists; pass --force to replace it or choose another --out")
         for c in a.contexts:
             Workload(context=c)
         cfg = SimConfig(cluster=ClusterSpec(gpu=a.gpu, gpus=a.gpus, tp=a.tp), steps=a.steps, seed=a.seed)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     print(f"simulating {a.steps} steps per run: {len(a.contexts)} context limits x {len(a.modes)} modes")
     report = run_all(cfg, a.contexts, a.modes)
