@@ -1,7 +1,8 @@
 """Benchmark the control channel against SGLang's own abort and generate time.
 
 For N live responses (16, 256, 1024 by default) it measures, one engine at a time (both sides use the
-server's engine settings, sleep_on_idle included; tools/bench_idle.py measures what that setting changes):
+server's engine settings; the server's idle niceness applies to the channel side only, and tools/bench_idle.py
+measures what it and SGLang's sleep_on_idle change):
 
   pause-and-collect  SGLang alone: abort every request and await every partial output (in-process Engine, the
                      server's engine configuration). Channel: `RolloutClient.pause()`, i.e. the same abort inside
