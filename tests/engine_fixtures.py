@@ -121,13 +121,16 @@ def _root(_tmp_path_factory=None) -> Path:
     return _logs_root()
 
 
-@pytest.fixture(scope="session")
+# Function-scoped on purpose: the registry keeps one server of each kind for the session and starts a new one
+# when a test has stopped it (test_shutdown_leaves_no_child_process); a session-scoped fixture would keep
+# handing later modules the stopped one.
+@pytest.fixture
 def dense_server(tmp_path_factory) -> Served:
     """Tiny dense Qwen3 behind a control channel that requires CURVE keys (`served.curve`)."""
     return REGISTRY.get("dense", _root(tmp_path_factory))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def moe_server(tmp_path_factory) -> Served:
     """Tiny Qwen3-MoE (routed experts on) on loopback without keys."""
     return REGISTRY.get("moe", _root(tmp_path_factory))
