@@ -34,7 +34,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from rollverify.tasks.data import SUFFIXES, read_rows  # noqa: E402
+from rollverify.tasks.data import SUFFIXES, has_field, lookup, read_rows  # noqa: E402
 
 PROMPT_KEYS = ("problem", "Problem", "question", "Question", "prompt")
 LABEL_KEYS = ("reward_model.ground_truth", "answer", "Answer", "ground_truth", "label")
@@ -50,30 +50,13 @@ class PrepareError(ValueError):
     """Bad input to this tool; the message names the file or option and what to do."""
 
 
-def _get(row: dict[str, Any], key: str) -> Any:
-    cur: Any = row
-    for part in key.split(".") if key not in row else [key]:
-        if not isinstance(cur, dict) or part not in cur:
-            raise KeyError(key)
-        cur = cur[part]
-    return cur
-
-
-def _has(row: dict[str, Any], key: str) -> bool:
-    try:
-        _get(row, key)
-    except KeyError:
-        return False
-    return True
-
-
 def _pick(row: dict[str, Any], given: str | None, candidates: tuple[str, ...], what: str, where: str) -> str | None:
     if given is not None:
-        if not _has(row, given):
+        if not has_field(row, given):
             raise PrepareError(f"{where}: no {what} column {given!r}; columns: {', '.join(row)}")
         return given
     for k in candidates:
-        if _has(row, k):
+        if has_field(row, k):
             return k
     return None
 
@@ -109,9 +92,9 @@ def convert(rows: list[dict[str, Any]], name: str, *, template: str, prompt_key:
     for i, row in enumerate(rows):
         at = f"{where} row {i}"
         for k in (pk, lk):
-            if not _has(row, k):
+            if not has_field(row, k):
                 raise PrepareError(f"{at}: missing column {k!r}; columns: {', '.join(row)}")
-        value = _get(row, pk)
+        value = lookup(row, pk)
         if isinstance(value, str):
             if "{problem}" not in template:
                 raise PrepareError("--template must contain {problem}")
@@ -123,12 +106,12 @@ def convert(rows: list[dict[str, Any]], name: str, *, template: str, prompt_key:
             messages = [{"role": m["role"], "content": m["content"]} for m in value]  # chat data: as it is
         else:
             raise PrepareError(f"{at}: {pk!r} must be text or a list of {{role, content}} messages")
-        label = _label(_get(row, lk), at)
+        label = _label(lookup(row, lk), at)
         key = (json.dumps(messages, sort_keys=True), label)
         if dedupe and key in seen:
             continue
         seen.add(key)
-        index = _get(row, ik) if ik is not None and _has(row, ik) else i
+        index = lookup(row, ik) if ik is not None and has_field(row, ik) else i
         out.append({
             "data_source": name,
             "prompt": messages,

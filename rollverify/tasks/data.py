@@ -23,7 +23,7 @@ LABEL_KEYS = ("label", "reward_model.ground_truth", "answer", "ground_truth")
 SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
-def _lookup(row: dict[str, Any], key: str) -> Any:
+def lookup(row: dict[str, Any], key: str) -> Any:
     """`row[key]`, or a dotted path into nested dicts; KeyError when absent."""
     if key in row:
         return row[key]
@@ -35,9 +35,10 @@ def _lookup(row: dict[str, Any], key: str) -> Any:
     return cur
 
 
-def _has(row: dict[str, Any], key: str) -> bool:
+def has_field(row: dict[str, Any], key: str) -> bool:
+    """Whether `lookup(row, key)` finds a value."""
     try:
-        _lookup(row, key)
+        lookup(row, key)
     except KeyError:
         return False
     return True
@@ -117,7 +118,7 @@ def load_prompt_file(
     if not rows:
         raise ValueError(f"{path}: no rows")
     if label_key == "auto":
-        found = [k for k in LABEL_KEYS if _has(rows[0], k)]
+        found = [k for k in LABEL_KEYS if has_field(rows[0], k)]
         if not found:
             raise ValueError(
                 f"{path}: no label column: tried {', '.join(LABEL_KEYS)}; columns: {_columns(rows[0])}; "
@@ -128,19 +129,19 @@ def load_prompt_file(
     for i, row in enumerate(rows):
         where = f"{path} row {i}"
         for key, what in ((prompt_key, "prompt"), (label_key, "label")):
-            if not _has(row, key):
+            if not has_field(row, key):
                 raise ValueError(f"{where}: missing {what} column {key!r}; columns: {_columns(row)}")
-        prompt, messages = _prompt_of(_lookup(row, prompt_key), where)
-        label = _lookup(row, label_key)
+        prompt, messages = _prompt_of(lookup(row, prompt_key), where)
+        label = lookup(row, label_key)
         if isinstance(label, bool) or not isinstance(label, (str, int, float)):
             raise ValueError(
                 f"{where}: label {label_key!r} must be a string or number, got {type(label).__name__}"
             )
         label = str(label)
         if uid_key is not None:
-            if not _has(row, uid_key):
+            if not has_field(row, uid_key):
                 raise ValueError(f"{where}: missing uid column {uid_key!r}; columns: {_columns(row)}")
-            uid = str(_lookup(row, uid_key))
+            uid = str(lookup(row, uid_key))
         else:
             uid = stable_uid(prompt, label)
         meta = {k: v for k, v in row.items() if k not in (prompt_key, label_key.split(".")[0])}
