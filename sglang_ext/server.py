@@ -165,6 +165,7 @@ class ControlServer:
         self._tasks: set[asyncio.Task] = set()
         self.tokens_generated = 0
         self._generating = 0  # engine requests in flight (their _generate tasks)
+        self._engine_busy = 0  # engine calls in flight (generation, weights, flush, loads): SGLang at full priority
         self._set_idle = getattr(engine, "set_idle", None)
         self.started = time.time()
         self.endpoint: str | None = None
@@ -394,8 +395,7 @@ class ControlServer:
         sampling = dict(rec.sampling_args)
         sampling["max_new_tokens"] = rec.remaining
         input_ids = np.concatenate([rec.prompt, rec.tokens]).tolist()
-        if self._generating == 0 and self._set_idle is not None:
-            self._set_idle(False)
+        self._busy(+1)
         self._generating += 1
         rec.task = self._spawn(self._generate(rec, rec.engine_rid(), input_ids, sampling, routes_start))
         rec.state = State.RUNNING
@@ -407,8 +407,22 @@ class ControlServer:
             await self._generate_one(rec, erid, input_ids, sampling, routes_start)
         finally:
             self._generating -= 1
-            if self._generating == 0 and self._set_idle is not None:
-                self._set_idle(True)
+            self._busy(-1)
+
+    def _busy(self, delta: int) -> None:
+        """Count an engine call in or out; SGLang runs at its idle niceness only while none is in flight."""
+        before, self._engine_busy = self._engine_busy, self._engine_busy + delta
+        if self._set_idle is not None and (before == 0) != (self._engine_busy == 0):
+            self._set_idle(self._engine_busy == 0)
+
+    @contextlib.asynccontextmanager
+    async def _engine_call(self):
+        """An engine call other than generation (weights, flush, loads) runs with SGLang at full priority."""
+        self._busy(+1)
+        try:
+            yield
+        finally:
+            self._busy(-1)
 
     async def _generate_one(
         self, rec: Record, erid: str, input_ids: list[int], sampling: dict, routes_start
@@ -743,7 +757,8 @@ class ControlServer:
             self._staged = staged
             return {"version": self.version, "committed": False, "staged": staged.count}, None, None
         t0 = time.perf_counter()
-        await self.engine.update_tensors(staged.buckets)
+        async with self._engine_call():
+            await self.engine.update_tensors(staged.buckets)
         self.version = body.version
         return (
             {
@@ -825,13 +840,15 @@ class ControlServer:
                 + ". Nothing was applied: the old weights keep serving",
             )
         t0 = time.perf_counter()
-        await self.engine.update_from_disk(str(other.path))
+        async with self._engine_call():
+            await self.engine.update_from_disk(str(other.path))
         self.version = body.version
         return {"version": self.version, "committed": True, "engine_s": time.perf_counter() - t0}, None, None
 
     async def _op_flush(self, body, msg):
         self._require_idle("flush")
-        await self.engine.flush()
+        async with self._engine_call():
+            await self.engine.flush()
         return {"flushed": True}, None, None
 
     async def _op_shutdown(self, body, msg):
@@ -884,7 +901,8 @@ class ControlServer:
             "uptime_s": time.time() - self.started,
         }
         if body.engine:
-            out["engine"] = await self.engine.loads()
+            async with self._engine_call():
+                out["engine"] = await self.engine.loads()
         return out, None, None
 
     async def _op_weights(self, body, msg):
