@@ -27,7 +27,7 @@ def test_shared_packages_have_the_same_versions():
     cpu = {**_pins("cpu.txt"), **_pins("sglang.txt")}
     gpu = _pins("gpu.txt")
     shared = set(cpu) & set(gpu)
-    assert {"torch", "sglang", "megatron-core", "transformers", "tokenizers", "pyzmq"} <= shared
+    assert {"torch", "sglang", "megatron-core", "transformers", "tokenizers", "pyzmq", "ray"} <= shared
     mismatched = {k: (cpu[k], gpu[k]) for k in shared if cpu[k] != gpu[k]}
     assert not mismatched, f"cpu and gpu paths disagree: {mismatched}"
 
