@@ -2,7 +2,8 @@
 
 Entry points (import the submodules; importing this package pulls in nothing heavy):
 
-* `trainer.MegatronTrainer(model_path, TrainerConfig(...))`: one SPMD rank (world size 1 runs in-process);
+* `trainer.MegatronTrainer(model_path, rollverify.config.TrainerConfig(...))`: one SPMD rank (world size 1
+  runs in-process);
   `spawned.SpawnedTrainer` / `spawned.make_trainer(..., world_size=N)`: N ranks behind the same methods;
   `loop_adapter.LoopTrainer`: the loop's `rollverify.interfaces.Trainer` over either.
 * `convert`: HF <-> Megatron-Core weights for Qwen3 / Qwen3-MoE (TP, EP, PP), `iter_hf_tensors` streaming.

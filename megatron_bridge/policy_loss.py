@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from rollverify import losses
+from rollverify.config import TrainerConfig
 
 KINDS = ("ppo", "gspo", "sapo", "vespo")
 
@@ -39,37 +40,37 @@ def _padded(x: torch.Tensor, counts: list[int]) -> torch.Tensor:
     return rows
 
 
-def agg_mode(cfg) -> str:
-    """The aggregation of `cfg` (a `megatron_bridge.trainer.LossConfig`): its own, else the loss's default."""
-    if cfg.kind not in KINDS:
-        raise ValueError(f"unknown loss kind {cfg.kind!r}: one of {', '.join(KINDS)}")
-    mode = cfg.agg_mode or losses.DEFAULT_AGG[cfg.kind]
+def agg_mode(cfg: TrainerConfig) -> str:
+    """The aggregation of `cfg`'s loss: `loss_agg_mode`, else the loss's default."""
+    if cfg.loss_kind not in KINDS:
+        raise ValueError(f"unknown loss {cfg.loss!r}: one of grpo, {', '.join(KINDS)}")
+    mode = cfg.loss_agg_mode or losses.DEFAULT_AGG[cfg.loss_kind]
     if mode not in losses.AGG_MODES:
-        raise ValueError(f"loss agg_mode must be one of {losses.AGG_MODES} (or None: the loss's own), got {mode!r}")
+        raise ValueError(f"loss_agg_mode must be one of {losses.AGG_MODES} (or None: the loss's own), got {mode!r}")
     return mode
 
 
 def terms(lp: torch.Tensor, old_lp: torch.Tensor, rollout_lp: torch.Tensor | None, adv: torch.Tensor,
-          mask: torch.Tensor, counts: list[int], cfg) -> LossTerms:
+          mask: torch.Tensor, counts: list[int], cfg: TrainerConfig) -> LossTerms:
     """lp, old_lp, rollout_lp, adv, mask: flat [N] over the micro-batch's generated tokens, `counts` per
     sequence. An empty micro-batch (a filler that keeps ranks in step) gives a zero loss that still touches
     `lp`, so the backward reaches every parameter."""
-    mode = agg_mode(cfg)
+    mode, kind = agg_mode(cfg), cfg.loss_kind
     n_tok = mask.sum()
     if not counts or n_tok == 0:
         return LossTerms(lp.sum() * 0.0, torch.zeros((), dtype=torch.int), {})
     rollout = rollout_lp if cfg.use_tis else None
-    if cfg.kind in ("gspo", "vespo") or mode != "token-mean":  # sequence-level: padded [sequences, tokens]
+    if kind in ("gspo", "vespo") or mode != "token-mean":  # sequence-level: padded [sequences, tokens]
         lp, old_lp, adv, mask = (_padded(x, counts) for x in (lp, old_lp, adv, mask))
         rollout = _padded(rollout, counts) if rollout is not None else None
     common = dict(rollout_logprobs=rollout, tis_cap=cfg.tis_cap, agg_mode=mode, global_count=1)
-    if cfg.kind == "ppo":
+    if kind == "ppo":
         total, m = losses.ppo_tis_loss(lp, old_lp, advantages=adv, mask=mask, eps_low=cfg.eps_low,
                                        eps_high=cfg.eps_high, dual_clip_c=cfg.dual_clip_c, **common)
-    elif cfg.kind == "sapo":
+    elif kind == "sapo":
         total, m = losses.sapo_loss(lp, old_lp, adv, mask, tau_pos=cfg.sapo_tau_pos, tau_neg=cfg.sapo_tau_neg,
                                     **common)
-    elif cfg.kind == "gspo":
+    elif kind == "gspo":
         total, m = losses.gspo_loss(lp, old_lp, adv, mask, eps_low=cfg.gspo_eps_low, eps_high=cfg.gspo_eps_high,
                                     **common)
     else:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from megatron_bridge.parallel import free_port
-from megatron_bridge.trainer import TrainerConfig
+from rollverify.config import TrainerConfig
 
 
 def _pack(bucket: list[tuple[str, torch.Tensor]]) -> tuple[str, bytes]:
@@ -57,7 +57,8 @@ class _PipeSink:
         self.conn.send(("end", version))
 
 
-def _worker(rank: int, world_size: int, port: int, model_path: str, cfg: TrainerConfig, conn, threads: int) -> None:
+def _worker(rank: int, world_size: int, port: int, model_path: str, cfg: TrainerConfig, dtype: str, seed: int,
+            conn, threads: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(threads)
@@ -67,7 +68,7 @@ def _worker(rank: int, world_size: int, port: int, model_path: str, cfg: Trainer
     try:
         from megatron_bridge.trainer import MegatronTrainer
 
-        trainer = MegatronTrainer(model_path, cfg)
+        trainer = MegatronTrainer(model_path, cfg, dtype=dtype, seed=seed)
         conn.send(("ok", None))
     except BaseException:  # noqa: BLE001 - reported to the driver
         conn.send(("error", traceback.format_exc()))
@@ -101,7 +102,8 @@ class SpawnedTrainer:
     """`MegatronTrainer` over `world_size` child processes (gloo on CPU, NCCL on GPU)."""
 
     def __init__(self, model_path: str | os.PathLike, cfg: TrainerConfig | None = None, world_size: int = 2,
-                 timeout_s: float | None = None, threads_per_rank: int | None = None) -> None:
+                 timeout_s: float | None = None, threads_per_rank: int | None = None, *, dtype: str = "auto",
+                 seed: int = 1234) -> None:
         import torch.multiprocessing as mp
 
         self.cfg = cfg or TrainerConfig()
@@ -113,7 +115,7 @@ class SpawnedTrainer:
         self._conns, self._procs = [], []
         for r in range(world_size):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker, args=(r, world_size, port, str(model_path), self.cfg, child, threads),
+            p = ctx.Process(target=_worker, args=(r, world_size, port, str(model_path), self.cfg, dtype, seed, child, threads),
                             daemon=True)
             p.start()
             child.close()
@@ -172,13 +174,13 @@ class SpawnedTrainer:
 
     # -------------------------------------------------------------------------------------------- API
 
-    def compute_logprobs(self, batch, *, replay: bool | None = None, temperature: float | None = None):
+    def compute_logprobs(self, batch, *, replay: bool | None = None, temperature: float = 1.0):
         return self._call("compute_logprobs", list(batch), replay=replay, temperature=temperature)
 
-    def train_step(self, batch, *, temperature: float | None = None) -> dict[str, float]:
+    def train_step(self, batch, *, temperature: float = 1.0) -> dict[str, float]:
         return self._call("train_step", list(batch), temperature=temperature)
 
-    def loss_on(self, batch, old_logprobs, *, temperature: float | None = None) -> dict[str, float]:
+    def loss_on(self, batch, old_logprobs, *, temperature: float = 1.0) -> dict[str, float]:
         return self._call("loss_on", list(batch), old_logprobs, temperature=temperature)
 
     def sync_weights(self, sink, version: int | None = None, bucket_bytes: int = 64 << 20,
@@ -229,10 +231,11 @@ class SpawnedTrainer:
         self.close()
 
 
-def make_trainer(model_path, cfg: TrainerConfig | None = None, world_size: int = 1, **kwargs):
+def make_trainer(model_path, cfg: TrainerConfig | None = None, world_size: int = 1, *, dtype: str = "auto",
+                 seed: int = 1234, **kwargs):
     """World size 1: `MegatronTrainer` in this process; more: `SpawnedTrainer` (same methods)."""
     if world_size == 1:
         from megatron_bridge.trainer import MegatronTrainer
 
-        return MegatronTrainer(model_path, cfg)
-    return SpawnedTrainer(model_path, cfg, world_size, **kwargs)
+        return MegatronTrainer(model_path, cfg, dtype=dtype, seed=seed)
+    return SpawnedTrainer(model_path, cfg, world_size, dtype=dtype, seed=seed, **kwargs)

@@ -17,7 +17,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -44,72 +44,21 @@ from megatron_bridge.model import (
     unwrap,
 )
 from megatron_bridge.parallel import ParallelConfig, init_parallel, use_cpu
+from rollverify.config import TrainerConfig
 
 
-@dataclass
-class LossConfig:
-    """Policy loss (rollverify.losses): `ppo` is the design's GRPO objective (decoupled clip, dual clip, TIS on
-    the recomputed old log-prob, token-mean); `gspo`, `sapo` and `vespo` are the alternatives the paper compares."""
-
-    kind: str = "ppo"  # ppo | gspo | sapo | vespo
-    eps_low: float = 0.2
-    eps_high: float = 0.3
-    dual_clip_c: float = 3.0  # math.inf: off
-    tis_cap: float = 2.0  # math.inf: no truncation
-    use_tis: bool = True
-    gspo_eps_low: float = 3e-4
-    gspo_eps_high: float = 4e-4
-    sapo_tau_pos: float = 1.0
-    sapo_tau_neg: float = 1.05
-    vespo_c1_pos: float = 2.0  # VESPO's kernel W^c1 exp(c2 (1 - W)) for A >= 0
-    vespo_c2_pos: float = 3.0
-    vespo_c1_neg: float = 3.0  # and for A < 0
-    vespo_c2_neg: float = 2.0
-    agg_mode: str | None = None  # token-mean | seq-mean-token-mean | seq-mean-token-sum; None: the loss's (VeRL's)
+def resolve_device(device: str) -> str:
+    """`TrainerConfig.device` on this machine: auto is cuda where a GPU is visible, else cpu."""
+    if device == "auto":
+        return "cpu" if use_cpu() else "cuda"
+    return device
 
 
-@dataclass
-class TrainerConfig:
-    tp: int = 1
-    ep: int = 1
-    pp: int = 1
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    lr_warmup_steps: int = 0
-    lr_decay_steps: int = 1000
-    lr_decay_style: str = "constant"  # constant | linear | cosine
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    optimizer: str = "adam"  # adam | sgd
-    micro_batch_tokens: int = 4096
-    logprob_chunk_tokens: int = 1024  # rows of [tokens x vocab/tp] logits alive at once (logprobs.py)
-    recompute: str = "none"  # activation recompute: none | selective | full (model.transformer_config)
-    sequence_parallel: bool = False  # Megatron-Core sequence parallelism over the TP group (needs tp > 1)
-    dist_timeout_s: float = 1800.0  # a collective (gloo / NCCL) that waits longer fails
-    call_timeout_s: float = 3600.0  # a spawned rank that gives no reply to a call for longer fails it
-    max_seq_len: int = 0  # longest sequence (prompt + generated - 1 inputs) accepted; 0: ModelArch.context_length
-    replay_verify: bool = False  # see megatron_bridge.replay for why free routing verifies
-    replay_train: bool = True  # R3 for the old-log-prob recompute and the training forward
-    temperature: float = 1.0
-    use_distributed_optimizer: bool = True
-    dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
-    device: str = "auto"  # auto | cpu | cuda
-    seed: int = 1234
-    loss: LossConfig = field(default_factory=LossConfig)
-
-    def resolved_device(self) -> str:
-        if self.device == "auto":
-            return "cpu" if use_cpu() else "cuda"
-        return self.device
-
-    def resolved_dtype(self) -> torch.dtype:
-        if self.dtype == "auto":
-            return torch.float32 if self.resolved_device() == "cpu" else torch.bfloat16
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "fp32": torch.float32,
-                "bf16": torch.bfloat16}[self.dtype]
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    """`ModelConfig.dtype` for the trainer on `device`: auto is float32 on CPU and bfloat16 on GPU."""
+    if dtype == "auto":
+        return torch.float32 if device == "cpu" else torch.bfloat16
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
 
 
 def as_sequence(x: Any) -> TrainSequence:
@@ -146,12 +95,15 @@ def as_sequence(x: Any) -> TrainSequence:
 class MegatronTrainer:
     """One rank of the trainer. See the module docstring for the SPMD contract."""
 
-    def __init__(self, model_path: str | os.PathLike, cfg: TrainerConfig | None = None) -> None:
+    def __init__(self, model_path: str | os.PathLike, cfg: TrainerConfig | None = None, *, dtype: str = "auto",
+                 seed: int = 1234) -> None:
+        """`cfg` is the run config's trainer section; `dtype` its model's (auto: float32 on CPU, bfloat16 on
+        GPU), `seed` its seed."""
         self.cfg = cfg = cfg or TrainerConfig()
         self.model_path = Path(model_path)
         self.arch = convert.check_checkpoint(self.model_path)  # unsupported / mismatched: fail before building
-        self.device = torch.device(cfg.resolved_device())
-        self.dtype = cfg.resolved_dtype()
+        self.device = torch.device(resolve_device(cfg.device))
+        self.dtype = resolve_dtype(dtype, self.device.type)
         if cfg.sequence_parallel and cfg.tp == 1:
             raise ValueError("sequence_parallel needs tp > 1 (it splits the sequence over the TP group)")
         if self.arch.moe and cfg.tp > 1 and (not cfg.sequence_parallel or cfg.ep == 1):
@@ -172,7 +124,7 @@ class MegatronTrainer:
                              f"forward would route freely; set recompute='none' or replay_train=False")
         recompute_options(cfg.recompute, self.arch.moe)  # a bad value fails here, before any process group
         self.pcfg = ParallelConfig(tp=cfg.tp, ep=cfg.ep, pp=cfg.pp)
-        init_parallel(self.pcfg, device=self.device.type, seed=cfg.seed, timeout_s=cfg.dist_timeout_s)
+        init_parallel(self.pcfg, device=self.device.type, seed=seed, timeout_s=cfg.dist_timeout_s)
         from megatron.core import parallel_state as ps
 
         self.ps = ps
@@ -223,14 +175,14 @@ class MegatronTrainer:
         c = self.cfg
         ocfg = OptimizerConfig(
             optimizer=c.optimizer, lr=c.lr, min_lr=c.min_lr, weight_decay=c.weight_decay,
-            adam_beta1=c.adam_beta1, adam_beta2=c.adam_beta2, adam_eps=c.adam_eps, clip_grad=c.clip_grad,
+            adam_beta1=c.adam_beta1, adam_beta2=c.adam_beta2, adam_eps=c.adam_eps, clip_grad=c.grad_clip,
             bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype,
             use_distributed_optimizer=c.use_distributed_optimizer,
         )
         opt = get_megatron_optimizer(ocfg, [self.model])
         sched = OptimizerParamScheduler(
             opt, init_lr=0.0 if c.lr_warmup_steps else c.lr, max_lr=c.lr, min_lr=c.min_lr,
-            lr_warmup_steps=c.lr_warmup_steps, lr_decay_steps=max(c.lr_decay_steps, c.lr_warmup_steps + 1),
+            lr_warmup_steps=c.lr_warmup_steps, lr_decay_steps=max(c.steps, c.lr_warmup_steps + 1),
             lr_decay_style=c.lr_decay_style, start_wd=c.weight_decay, end_wd=c.weight_decay,
             wd_incr_steps=1, wd_incr_style="constant",
         )
@@ -354,19 +306,19 @@ class MegatronTrainer:
         return lps, ents
 
     def compute_logprobs(self, batch: Sequence[Any], *, replay: bool | None = None,
-                         temperature: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+                         temperature: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
         """Log-probs (temperature-scaled, as the engine reports them) and entropies of every generated token,
         flat float32 in batch order. `replay` defaults to `replay_verify` (this is the verification forward)."""
         seqs = [as_sequence(s) for s in batch]
         if not seqs:
             return np.zeros(0, np.float32), np.zeros(0, np.float32)
         use_replay = self.cfg.replay_verify if replay is None else replay
-        lps, ents = self._logprobs(seqs, use_replay, self.cfg.temperature if temperature is None else temperature)
+        lps, ents = self._logprobs(seqs, use_replay, temperature)
         return np.concatenate(lps).astype(np.float32), np.concatenate(ents).astype(np.float32)
 
     # ------------------------------------------------------------------------------------------ train
 
-    def train_step(self, batch: Sequence[Any], *, temperature: float | None = None) -> dict[str, float]:
+    def train_step(self, batch: Sequence[Any], *, temperature: float = 1.0) -> dict[str, float]:
         """One optimizer step of the GRPO loss on `batch` (sequences with advantages and rollout log-probs).
 
         The old log-probs of the ratio are recomputed here, before the step, with the same routing as the
@@ -379,9 +331,8 @@ class MegatronTrainer:
         for i, s in enumerate(seqs):
             if s.advantage is None:
                 raise ValueError(f"sequence {i} has no advantage")
-            if self.cfg.loss.use_tis and s.rollout_logprobs is None:
-                raise ValueError(f"sequence {i} has no rollout log-probs (needed for TIS; set loss.use_tis=False)")
-        temperature = self.cfg.temperature if temperature is None else temperature
+            if self.cfg.use_tis and s.rollout_logprobs is None:
+                raise ValueError(f"sequence {i} has no rollout log-probs (needed for TIS; set use_tis=False)")
         use_replay = self.cfg.replay_train and self.arch.moe
         old, _ = self._logprobs(seqs, use_replay, temperature)
         t_old = time.perf_counter() - t0
@@ -438,7 +389,6 @@ class MegatronTrainer:
         mbs = [self._micro_batch(seqs, idx, use_replay) for idx in plan]
         for mb in mbs:
             mb.extras = self._loss_inputs(seqs, mb, old)
-        lcfg = self.cfg.loss
 
         def loss_of_mb(mb, output):
             lp, ent = self._token_stats(mb, output, temperature)
@@ -446,7 +396,7 @@ class MegatronTrainer:
             dev = lp.device
             rollout = x["rollout"].to(dev) if x["rollout"] is not None else None
             terms = policy_loss.terms(lp, x["old"].to(dev), rollout, x["adv"].to(dev), x["mask"].to(dev),
-                                      mb.gen_counts, lcfg)
+                                      mb.gen_counts, self.cfg)
             stats = {k: v.detach().float().cpu() for k, v in terms.stats.items()}
             stats["entropy_sum"] = (ent.detach().float().cpu() * x["mask"]).sum()
             stats["loss_total"] = terms.loss_sum.detach().float().cpu()
@@ -460,7 +410,7 @@ class MegatronTrainer:
         return self._reduce_metrics(self._run(mbs, loss_of_mb, forward_only=False))
 
     def loss_on(self, batch: Sequence[Any], old_logprobs: np.ndarray, *,
-                temperature: float | None = None) -> dict[str, float]:
+                temperature: float = 1.0) -> dict[str, float]:
         """The train-step loss and its statistics on `batch` at the current weights, without a step; the
         ratio's denominator is `old_logprobs` (flat, as `compute_logprobs` returns them)."""
         seqs = [as_sequence(s) for s in batch]
@@ -468,8 +418,7 @@ class MegatronTrainer:
         counts = [s.gen_ids.size for s in seqs]
         old = np.split(np.asarray(old_logprobs, np.float32), np.cumsum(counts)[:-1])
         self.model.eval()
-        return self._loss_pass(seqs, old, self.cfg.replay_train and self.arch.moe,
-                               self.cfg.temperature if temperature is None else temperature, forward_only=True)
+        return self._loss_pass(seqs, old, self.cfg.replay_train and self.arch.moe, temperature, forward_only=True)
 
     def _loss_inputs(self, seqs: list[TrainSequence], mb: MicroBatch, old: list) -> dict:
         adv, mask, rollout, o = [], [], [], []
@@ -485,7 +434,7 @@ class MegatronTrainer:
         cat = (lambda xs: torch.from_numpy(np.concatenate(xs).astype(np.float32))) if mb.seq_index else \
             (lambda xs: torch.zeros(0))
         return {"adv": cat(adv), "mask": cat(mask), "old": cat(o),
-                "rollout": cat(rollout) if self.cfg.loss.use_tis else None}
+                "rollout": cat(rollout) if self.cfg.use_tis else None}
 
     def _reduce_metrics(self, results: list[dict]) -> dict[str, float]:
         """Reduce per-micro-batch statistics over micro-batches and DP ranks (last PP stage): the loss is

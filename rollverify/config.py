@@ -101,15 +101,22 @@ class RolloutConfig:
 
 @dataclass
 class TrainerConfig:
-    """Megatron-Core trainer: optimiser, policy loss, parallel layout."""
+    """The trainer: optimiser, policy loss, parallel layout, limits. `megatron_bridge.trainer.MegatronTrainer`
+    takes this section as it is; the model's dtype, the seed and the sampling temperature it reads from their
+    own sections."""
 
-    steps: int = _f(40, ge=1)  # optimizer steps (= policy versions) of the run
+    steps: int = _f(40, ge=1)  # optimizer steps (= policy versions) of the run; the lr schedule decays over them
     lr: float = _f(1e-6, gt=0.0)  # the paper's 1e-6; the tiny CPU model needs ~1e-4
     min_lr: float = _f(0.0, ge=0.0)
     lr_warmup_steps: int = _f(0, ge=0)
     lr_decay_style: DecayStyle = "constant"
     weight_decay: float = _f(0.0, ge=0.0)
-    grad_clip: float = _f(1.0, gt=0.0)
+    grad_clip: float = _f(1.0, gt=0.0)  # global gradient norm bound
+    optimizer: Literal["adam", "sgd"] = "adam"
+    adam_beta1: float = _f(0.9, ge=0.0, lt=1.0)
+    adam_beta2: float = _f(0.999, ge=0.0, lt=1.0)
+    adam_eps: float = _f(1e-8, gt=0.0)
+    use_distributed_optimizer: bool = True  # Megatron-Core's optimizer-state sharding over DP (Adam only)
     loss: LossKind = "grpo"  # grpo (= ppo: PPO surrogate on GRPO advantages), gspo, sapo, vespo
     # VeRL's names; null: the loss's own as in VeRL (grpo, vespo: token-mean; gspo, sapo: seq-mean-token-mean)
     loss_agg_mode: AggMode | None = None
@@ -140,10 +147,11 @@ class TrainerConfig:
     max_seq_len: int = _f(0, ge=0)  # most model inputs (prompt + response - 1) per sequence; 0: the model context
     dist_timeout_s: float = _f(1800.0, gt=0.0)  # trainer collectives (gloo / NCCL) that wait longer fail
     call_timeout_s: float = _f(3600.0, gt=0.0)  # a trainer rank silent for longer during a call fails it
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda where a GPU is visible, else cpu
 
     @property
     def loss_kind(self) -> str:
-        """The name `megatron_bridge.trainer.LossConfig.kind` uses (grpo's surrogate is ppo's)."""
+        """The loss function `loss` names in `rollverify.losses` (grpo's surrogate is ppo's)."""
         return "ppo" if self.loss == "grpo" else self.loss
 
     @property
@@ -332,6 +340,9 @@ class RunConfig:
             raise ConfigError("trainer.ep: expert parallelism needs an MoE model (model.moe: true)")
         if t.min_lr > t.lr:
             raise ConfigError(f"trainer.min_lr: must be <= trainer.lr ({t.lr}), got {t.min_lr}")
+        if t.optimizer != "adam" and t.use_distributed_optimizer:
+            raise ConfigError(f"trainer.optimizer: Megatron-Core's distributed optimizer supports adam only, got "
+                              f"{t.optimizer!r}; set trainer.use_distributed_optimizer=false")
         if t.sequence_parallel and t.tp == 1:
             raise ConfigError("trainer.sequence_parallel: needs trainer.tp > 1 (it splits the sequence over TP)")
         if t.recompute != "none" and t.replay_train and m.path is None and m.moe:

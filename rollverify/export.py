@@ -84,9 +84,8 @@ def find_checkpoint(path: str | Path) -> Path:
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
     """Load a run's trainer checkpoint into a trainer of the same layout and export it to `out` (new or empty)."""
-    from megatron_bridge.spawned import make_trainer
     from rollverify.config import RunConfig
-    from rollverify.train import resolve_model, trainer_config
+    from rollverify.train import resolve_model, start_trainer
 
     ckpt = find_checkpoint(checkpoint)
     out = Path(out)
@@ -95,7 +94,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
     cfg = RunConfig.from_dict(json.loads((ckpt.parent / "config.json").read_text()), check_task=False)
     meta = json.loads((ckpt / "trainer" / "rollverify_trainer.json").read_text())
     model_path = Path(meta["model_path"]) if Path(meta["model_path"]).is_dir() else resolve_model(cfg)
-    trainer = make_trainer(model_path, trainer_config(cfg), world_size=int(meta["world_size"]))
+    trainer = start_trainer(cfg, model_path, world_size=int(meta["world_size"]))
     try:
         trainer.load_checkpoint(str(ckpt / "trainer"))
         if out.exists():

@@ -43,52 +43,13 @@ def resolve_model(cfg: RunConfig) -> Path:
     return path
 
 
-def trainer_config(cfg: RunConfig):
-    """The Megatron trainer's settings (`megatron_bridge.trainer.TrainerConfig`) of a run config."""
-    from megatron_bridge.trainer import LossConfig, TrainerConfig
+def start_trainer(cfg: RunConfig, model_path: Path, world_size: int | None = None):
+    """The Megatron trainer of `cfg` on `model_path` (`world_size` ranks, default `trainer.world_size`): a
+    `MegatronTrainer` in this process at world size 1, else a `SpawnedTrainer` (`rollverify train`, `export`)."""
+    from megatron_bridge.spawned import make_trainer
 
-    t = cfg.trainer
-    return TrainerConfig(
-        tp=t.tp,
-        ep=t.ep,
-        pp=t.pp,
-        lr=t.lr,
-        min_lr=t.min_lr,
-        lr_warmup_steps=t.lr_warmup_steps,
-        lr_decay_style=t.lr_decay_style,
-        lr_decay_steps=max(1, t.steps),
-        weight_decay=t.weight_decay,
-        clip_grad=t.grad_clip,
-        micro_batch_tokens=t.micro_batch_tokens,
-        recompute=t.recompute,
-        sequence_parallel=t.sequence_parallel,
-        logprob_chunk_tokens=t.logprob_chunk_tokens,
-        max_seq_len=t.max_seq_len,
-        dist_timeout_s=t.dist_timeout_s,
-        call_timeout_s=t.call_timeout_s,
-        replay_verify=t.replay_verify,
-        replay_train=t.replay_train,
-        temperature=cfg.rollout.temperature,
-        dtype=cfg.model.dtype,
-        seed=cfg.seed,
-        loss=LossConfig(
-            kind=t.loss_kind,
-            eps_low=t.eps_low,
-            eps_high=t.eps_high,
-            dual_clip_c=t.dual_clip_c,
-            tis_cap=t.tis_cap,
-            use_tis=t.use_tis,
-            gspo_eps_low=t.gspo_eps_low,
-            gspo_eps_high=t.gspo_eps_high,
-            sapo_tau_pos=t.sapo_tau_pos,
-            sapo_tau_neg=t.sapo_tau_neg,
-            vespo_c1_pos=t.vespo_c1_pos,
-            vespo_c2_pos=t.vespo_c2_pos,
-            vespo_c1_neg=t.vespo_c1_neg,
-            vespo_c2_neg=t.vespo_c2_neg,
-            agg_mode=t.loss_agg_mode,
-        ),
-    )
+    ranks = cfg.trainer.world_size if world_size is None else world_size
+    return make_trainer(model_path, cfg.trainer, world_size=ranks, dtype=cfg.model.dtype, seed=cfg.seed)
 
 
 def start_engine(cfg: RunConfig, model_path: Path, log_dir: Path):
@@ -175,10 +136,8 @@ class Run:
 
     def _start_trainer(self):
         from megatron_bridge.loop_adapter import LoopTrainer
-        from megatron_bridge.spawned import make_trainer
 
-        tcfg = trainer_config(self.cfg)
-        return LoopTrainer(make_trainer(self.model_path, tcfg, world_size=self.cfg.trainer.world_size))
+        return LoopTrainer(start_trainer(self.cfg, self.model_path))
 
     def make_group(self, group_id: int) -> Group:
         while len(self._train_examples) <= group_id:  # group ids index the task's train stream

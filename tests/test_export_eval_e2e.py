@@ -39,16 +39,15 @@ def _tensors(folder):
 @pytest.fixture(scope="module")
 def served_export(tmp_path_factory):
     """An HF export of the initial policy (MegatronTrainer -> export_trainer), served by `rollverify serve`."""
-    from megatron_bridge.trainer import MegatronTrainer
     from rollverify.export import export_trainer
-    from rollverify.train import trainer_config
+    from rollverify.train import start_trainer
     from sglang_ext import cpu_compat
     from sglang_ext.launch import launch_server
 
     cfg = load_config(None, SMALL)
     model = resolve_model(cfg)
     out = tmp_path_factory.mktemp("export") / "init"
-    trainer = MegatronTrainer(model, trainer_config(cfg))
+    trainer = start_trainer(cfg, model)
     try:
         export_trainer(trainer, model, out)
     finally:

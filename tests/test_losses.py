@@ -367,10 +367,10 @@ def test_trainer_terms_over_micro_batches_equal_the_whole_batch(kind, mode):
     """What Megatron computes (sum of each micro-batch's loss_sum / sum of their counts) is the loss of the
     whole batch at once, for every loss and aggregation mode; None is the loss's default."""
     from megatron_bridge.policy_loss import _padded, terms
-    from megatron_bridge.trainer import LossConfig
     from rollverify import losses
+    from rollverify.config import TrainerConfig
 
-    cfg = LossConfig(kind=kind, agg_mode=mode)
+    cfg = TrainerConfig(loss=kind, loss_agg_mode=mode)
     g = torch.Generator().manual_seed(1)
     counts = [3, 5, 2, 4]
     n = sum(counts)

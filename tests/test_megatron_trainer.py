@@ -116,10 +116,9 @@ def test_loss_normalises_by_tokens_not_by_weights():
 def test_alternative_losses_step_and_normalise_like_rollverify(kind):
     """GSPO and SAPO (seq-mean-token-mean) and VESPO (token-mean) through Megatron's normalisation equal rollverify.losses on
     the whole batch at once, whatever the micro-batching."""
-    from megatron_bridge.trainer import LossConfig
     from rollverify import losses
 
-    trainer = _trainer(tiny_path(), lr=1e-2, micro_batch_tokens=12, loss=LossConfig(kind=kind))
+    trainer = _trainer(tiny_path(), lr=1e-2, micro_batch_tokens=12, loss=kind)
     seqs = _rl_batch(tiny_path(), shift=0.05)
     old, _ = trainer.compute_logprobs(seqs)
     got = trainer.loss_on(seqs, old + 0.01)  # ratio != 1 so the losses are not trivially equal

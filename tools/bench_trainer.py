@@ -60,13 +60,14 @@ def bench_one(name: str, path: str, args) -> dict:
 
     from megatron_bridge.model import ModelArch
     from megatron_bridge.spawned import make_trainer
-    from megatron_bridge.trainer import TrainerConfig
+    from megatron_bridge.trainer import resolve_device
     from megatron_bridge.weight_sync import DiskSink, InMemorySink
+    from rollverify.config import TrainerConfig
 
     arch = ModelArch.from_hf_dir(path)
     cfg = TrainerConfig(tp=args.tp, ep=args.ep if arch.moe else 1, pp=args.pp, lr=1e-5,
                         micro_batch_tokens=args.micro_batch_tokens, device=args.device)
-    sync = torch.cuda.synchronize if cfg.resolved_device() == "cuda" else (lambda: None)
+    sync = torch.cuda.synchronize if resolve_device(cfg.device) == "cuda" else (lambda: None)
     t0 = time.perf_counter()
     trainer = make_trainer(path, cfg, world_size=args.world_size)
     t_init = time.perf_counter() - t0
@@ -147,13 +148,14 @@ def _memory_worker(model: str, tokens: int, threads: int, recompute: str = "none
         torch.set_num_threads(threads)
     from megatron_bridge.batch import TrainSequence
     from megatron_bridge.model import ModelArch
-    from megatron_bridge.trainer import MegatronTrainer, TrainerConfig
+    from megatron_bridge.trainer import MegatronTrainer
+    from rollverify.config import TrainerConfig
     from rollverify.tiny_model import TinyModelSpec, ensure_tiny_model
 
     path = ensure_tiny_model(TinyModelSpec(**MEMORY_MODELS[model]))
     arch = ModelArch.from_hf_dir(path)
     trainer = MegatronTrainer(path, TrainerConfig(micro_batch_tokens=tokens, lr=1e-5, device="cpu",
-                                                  dtype="float32", recompute=recompute))
+                                                  recompute=recompute), dtype="float32")
     rng = np.random.default_rng(0)
     prompt = tokens // 4
     seq = TrainSequence(rng.integers(4, arch.vocab_size, prompt), rng.integers(4, arch.vocab_size, tokens - prompt + 1),

@@ -147,11 +147,12 @@ def random_sequences(n: int, vocab: int, prompt: int, gens: list[int], seed: int
 
 
 def make_trainer(path: str, env: Env, dtype: str, **kw):
-    from megatron_bridge.trainer import MegatronTrainer, TrainerConfig
+    from megatron_bridge.trainer import MegatronTrainer
+    from rollverify.config import TrainerConfig
 
     kw.setdefault("micro_batch_tokens", 8192)
     kw.setdefault("lr", 1e-5)
-    return MegatronTrainer(path, TrainerConfig(device="cuda" if env.cuda else "cpu", dtype=dtype, **kw))
+    return MegatronTrainer(path, TrainerConfig(device="cuda" if env.cuda else "cpu", **kw), dtype=dtype)
 
 
 def hf_logprobs(path: str, seqs, env: Env, dtype, routes: bool = False) -> list:
