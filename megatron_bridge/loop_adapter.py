@@ -1,9 +1,9 @@
 """`LoopTrainer`: the loop's `rollverify.interfaces.Trainer` over a MegatronTrainer or SpawnedTrainer.
 
 The loop speaks in `Response`s (engine log-probs in `logprobs`, routes split into prompt and per-token parts)
-and one advantage per response; the Megatron side takes the same objects through `trainer.as_sequence`.
-Verification calls `compute_logprobs` (routing per `replay_verify`), training calls `train_step` (routing per
-`replay_train`); weights leave in HF-named buckets.
+and one advantage per response; the Megatron side takes `TrainSequence`s, and `train_sequence` is the one
+conversion between the two. Verification calls `compute_logprobs` (routing per `replay_verify`), training
+calls `train_step` (routing per `replay_train`); weights leave in HF-named buckets.
 """
 
 from __future__ import annotations
@@ -13,7 +13,19 @@ from typing import Any
 
 import numpy as np
 
+from megatron_bridge.batch import TrainSequence
 from megatron_bridge.weight_sync import buckets
+from rollverify.types import Response
+
+
+def train_sequence(response: Response, advantage: float | None = None) -> TrainSequence:
+    """The trainer's view of `response`: its prompt and generated tokens, the engine's log-probs, and the
+    routes of the [P + G - 1] model inputs (its prompt routes [P - 1] followed by the per-token ones [G])."""
+    routes = response.routed_experts
+    if routes is not None and response.prompt_routed_experts is not None:
+        routes = np.concatenate([response.prompt_routed_experts, routes])
+    return TrainSequence(prompt_ids=response.prompt_ids, gen_ids=response.token_ids, routed_experts=routes,
+                         rollout_logprobs=response.logprobs, advantage=advantage)
 
 
 class LoopTrainer:
@@ -21,24 +33,18 @@ class LoopTrainer:
         self.trainer = trainer
         self.bucket_bytes = bucket_bytes
 
-    def compute_logprobs(self, responses: Sequence[Any], temperature: float) -> list[np.ndarray]:
+    def compute_logprobs(self, responses: Sequence[Response], temperature: float) -> list[np.ndarray]:
         if not responses:
             return []
-        flat, _ = self.trainer.compute_logprobs(list(responses), temperature=temperature)
+        flat, _ = self.trainer.compute_logprobs([train_sequence(r) for r in responses], temperature=temperature)
         counts = [len(r.token_ids) for r in responses]
         return [a.astype(np.float32) for a in np.split(flat, np.cumsum(counts)[:-1])]
 
-    def train_step(self, responses: Sequence[Any], advantages: np.ndarray, temperature: float) -> dict:
-        from megatron_bridge.trainer import as_sequence
-
+    def train_step(self, responses: Sequence[Response], advantages: np.ndarray, temperature: float) -> dict:
         adv = np.asarray(advantages, dtype=np.float32).reshape(-1)
         if adv.size != len(responses):
             raise ValueError(f"{adv.size} advantages for {len(responses)} responses (one each)")
-        seqs = []
-        for r, a in zip(responses, adv, strict=True):
-            s = as_sequence(r)
-            s.advantage = float(a)
-            seqs.append(s)
+        seqs = [train_sequence(r, float(a)) for r, a in zip(responses, adv, strict=True)]
         return self.trainer.train_step(seqs, temperature=temperature)
 
     def export_weights(self) -> Iterator[list[tuple[str, object]]]:

@@ -61,35 +61,13 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
 
 
-def as_sequence(x: Any) -> TrainSequence:
-    """Accept a TrainSequence, a rollverify `Response`, or any object/dict with prompt and generated ids.
-
-    A `Response` keeps the routes of its prompt positions (`prompt_routed_experts`, [P-1, ...]) apart from
-    those of the forwards that produced each generated token (`routed_experts`, [G, ...]); together they are
-    the [P + G - 1, ...] span the trainer replays.
-    """
-    if isinstance(x, TrainSequence):
-        return x
-
-    def get(*names):
-        for n in names:
-            v = x.get(n) if isinstance(x, dict) else getattr(x, n, None)
-            if v is not None:
-                return v
-        return None
-
-    routes = get("routed_experts")
-    prompt_routes = get("prompt_routed_experts")
-    if routes is not None and prompt_routes is not None:
-        routes = np.concatenate([np.asarray(prompt_routes), np.asarray(routes)])
-    return TrainSequence(
-        prompt_ids=get("prompt_ids", "prompt_token_ids"),
-        gen_ids=get("gen_ids", "token_ids", "output_ids", "response_ids"),
-        routed_experts=routes,
-        rollout_logprobs=get("rollout_logprobs", "logprobs", "lp_old"),
-        advantage=get("advantage", "advantages"),
-        loss_mask=get("loss_mask"),
-    )
+def _sequences(batch: Sequence[TrainSequence]) -> list[TrainSequence]:
+    seqs = list(batch)
+    for i, s in enumerate(seqs):
+        if not isinstance(s, TrainSequence):
+            raise TypeError(f"sequence {i} is a {type(s).__name__}, not a TrainSequence "
+                            "(megatron_bridge.loop_adapter.train_sequence converts a rollverify Response)")
+    return seqs
 
 
 class MegatronTrainer:
@@ -305,11 +283,11 @@ class MegatronTrainer:
                 lps[i], ents[i] = a.numpy(), b.numpy()
         return lps, ents
 
-    def compute_logprobs(self, batch: Sequence[Any], *, replay: bool | None = None,
+    def compute_logprobs(self, batch: Sequence[TrainSequence], *, replay: bool | None = None,
                          temperature: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
         """Log-probs (temperature-scaled, as the engine reports them) and entropies of every generated token,
         flat float32 in batch order. `replay` defaults to `replay_verify` (this is the verification forward)."""
-        seqs = [as_sequence(s) for s in batch]
+        seqs = _sequences(batch)
         if not seqs:
             return np.zeros(0, np.float32), np.zeros(0, np.float32)
         use_replay = self.cfg.replay_verify if replay is None else replay
@@ -318,14 +296,14 @@ class MegatronTrainer:
 
     # ------------------------------------------------------------------------------------------ train
 
-    def train_step(self, batch: Sequence[Any], *, temperature: float = 1.0) -> dict[str, float]:
+    def train_step(self, batch: Sequence[TrainSequence], *, temperature: float = 1.0) -> dict[str, float]:
         """One optimizer step of the GRPO loss on `batch` (sequences with advantages and rollout log-probs).
 
         The old log-probs of the ratio are recomputed here, before the step, with the same routing as the
         training forward, and feed TIS: `w = min(exp(lp_old_train - lp_rollout), C)` (detached).
         """
         t0 = time.perf_counter()
-        seqs = [as_sequence(s) for s in batch]
+        seqs = _sequences(batch)
         if not seqs:
             raise ValueError("train_step needs at least one sequence")
         for i, s in enumerate(seqs):
@@ -409,11 +387,11 @@ class MegatronTrainer:
                 return self._reduce_metrics(self._run(mbs, loss_of_mb, forward_only=True))
         return self._reduce_metrics(self._run(mbs, loss_of_mb, forward_only=False))
 
-    def loss_on(self, batch: Sequence[Any], old_logprobs: np.ndarray, *,
+    def loss_on(self, batch: Sequence[TrainSequence], old_logprobs: np.ndarray, *,
                 temperature: float = 1.0) -> dict[str, float]:
         """The train-step loss and its statistics on `batch` at the current weights, without a step; the
         ratio's denominator is `old_logprobs` (flat, as `compute_logprobs` returns them)."""
-        seqs = [as_sequence(s) for s in batch]
+        seqs = _sequences(batch)
         self._check_batch(seqs)
         counts = [s.gen_ids.size for s in seqs]
         old = np.split(np.asarray(old_logprobs, np.float32), np.cumsum(counts)[:-1])

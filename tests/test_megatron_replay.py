@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shutil
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -88,7 +87,9 @@ def test_defaults_replay_in_training_not_in_verification(moe, bf16_engine):
 
 
 def _bad(seq, routes):
-    return SimpleNamespace(prompt_ids=seq.prompt_ids, gen_ids=seq.gen_ids, routed_experts=routes)
+    from megatron_bridge.batch import TrainSequence
+
+    return TrainSequence(prompt_ids=seq.prompt_ids, gen_ids=seq.gen_ids, routed_experts=routes)
 
 
 @pytest.mark.parametrize("how", ["one_short", "one_long", "layers", "top_k", "range", "repeat", "float", "missing"])
@@ -116,16 +117,17 @@ def test_misfit_routed_experts_are_an_error(moe, bf16_engine, how):
 
 
 def test_rollverify_response_routes_are_prompt_then_generated(moe, bf16_engine):
-    """rollverify's Response keeps prompt routes and per-token routes apart; the trainer joins them."""
-    from megatron_bridge.trainer import as_sequence
+    """rollverify's Response keeps prompt routes and per-token routes apart; train_sequence joins them."""
+    from megatron_bridge.loop_adapter import train_sequence
+    from rollverify.types import Response
 
     s = bf16_engine[0][0]
-    p = s.prompt_ids.size
-    resp = SimpleNamespace(prompt_ids=s.prompt_ids.astype(np.int32), token_ids=s.gen_ids.astype(np.int32),
-                           logprobs=np.zeros(s.gen_ids.size, np.float32),
-                           prompt_routed_experts=s.routed_experts[:p - 1], routed_experts=s.routed_experts[p - 1:])
-    seq = as_sequence(resp)
+    p, g = s.prompt_ids.size, s.gen_ids.size
+    resp = Response(group_id=0, index=0, prompt_ids=s.prompt_ids, max_new_tokens=g, token_ids=s.gen_ids,
+                    logprobs=np.zeros(g, np.float32), versions=np.zeros(g, np.int64),
+                    prompt_routed_experts=s.routed_experts[:p - 1], routed_experts=s.routed_experts[p - 1:])
+    seq = train_sequence(resp)
     assert np.array_equal(seq.routed_experts, s.routed_experts) and np.array_equal(seq.gen_ids, s.gen_ids)
-    a, _ = moe.compute_logprobs([resp], replay=True)
+    a, _ = moe.compute_logprobs([seq], replay=True)
     b, _ = moe.compute_logprobs([s], replay=True)
     assert np.array_equal(a, b)
