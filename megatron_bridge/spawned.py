@@ -57,18 +57,38 @@ class _PipeSink:
         self.conn.send(("end", version))
 
 
-def _worker(rank: int, world_size: int, port: int, model_path: str, cfg: TrainerConfig, dtype: str, seed: int,
-            conn, threads: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank))
+def start_rank(rank: int, world_size: int, master: tuple[str, int], model_path: str, cfg: TrainerConfig, dtype: str,
+               seed: int, threads: int, local_rank: int | None = None):
+    """One trainer rank in this process: the torch.distributed rendezvous at `master` (address, port) and its
+    `MegatronTrainer`. `local_rank` is the GPU it uses (default: `rank`). Shared by both launchers' rank
+    processes (the local child processes here, megatron_bridge.ray_trainer's actors)."""
+    os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank if local_rank is None else local_rank))
     torch.set_num_threads(threads)
     from rollverify.console import quiet_cpu_warnings
 
     quiet_cpu_warnings()  # each rank is a fresh process: the driver's filters do not reach it
-    try:
-        from megatron_bridge.trainer import MegatronTrainer
+    from megatron_bridge.trainer import MegatronTrainer
 
-        trainer = MegatronTrainer(model_path, cfg, dtype=dtype, seed=seed)
+    return MegatronTrainer(model_path, cfg, dtype=dtype, seed=seed)
+
+
+def run_call(trainer, rank: int, method: str, args: tuple, kwargs: dict, sink) -> Any:
+    """One driver call on one rank; weight streams go to `sink` on rank 0 (the other ranks take part in the
+    gathers only). Returns what the driver gets from this rank: rank 0's result, None elsewhere."""
+    if method == "sync_weights":
+        result = trainer.sync_weights(sink if rank == 0 else None, *args, **kwargs)
+    elif method == "iter_hf_tensors":
+        result = trainer.sync_weights(sink if rank == 0 else None, trainer.version, *args, **kwargs)
+    else:
+        result = getattr(trainer, method)(*args, **kwargs)
+    return result if rank == 0 else None
+
+
+def _worker(rank: int, world_size: int, port: int, model_path: str, cfg: TrainerConfig, dtype: str, seed: int,
+            conn, threads: int) -> None:
+    try:
+        trainer = start_rank(rank, world_size, ("127.0.0.1", port), model_path, cfg, dtype, seed, threads)
         conn.send(("ok", None))
     except BaseException:  # noqa: BLE001 - reported to the driver
         conn.send(("error", traceback.format_exc()))
@@ -82,14 +102,7 @@ def _worker(rank: int, world_size: int, port: int, model_path: str, cfg: Trainer
             conn.send(("ok", None))
             break
         try:
-            if method == "sync_weights":
-                result = trainer.sync_weights(_PipeSink(conn) if rank == 0 else None, *args, **kwargs)
-            elif method == "iter_hf_tensors":
-                sink = _PipeSink(conn) if rank == 0 else None
-                result = trainer.sync_weights(sink, trainer.version, *args, **kwargs)
-            else:
-                result = getattr(trainer, method)(*args, **kwargs)
-            conn.send(("ok", result if rank == 0 else None))
+            conn.send(("ok", run_call(trainer, rank, method, args, kwargs, _PipeSink(conn))))
         except BaseException:  # noqa: BLE001
             conn.send(("error", traceback.format_exc()))
     try:
