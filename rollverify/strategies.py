@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rollverify.types import PackedBatch, Response
+from rollverify.types import Response, VerifyBatch
 from rollverify.verify import VerifyResult, token_ops, two_stage_verify_ops
 
 MODES = ("on_policy", "partial", "staleness_filter", "ops_filter", "rollverify")
@@ -177,7 +177,7 @@ class Strategy:
         When given, the token OPS D is computed here, once: the strategy decides from it and the stats
         report its mean over the finite values as ``ops_mean``.
         """
-        batch = PackedBatch.from_responses(responses, self.device)
+        batch = VerifyBatch.from_responses(responses, self.device)
         ops = None
         if new_logprobs is not None or self.needs_new_logprobs:
             ops = token_ops(batch.logprobs, _pack_new_logprobs(new_logprobs, batch))
@@ -187,7 +187,7 @@ class Strategy:
         return VerifyOutcome(batch.response_ids, lengths, keep, stats)
 
     def _keep(
-        self, batch: PackedBatch, ops: Tensor | None, responses: Sequence[Response], version: int
+        self, batch: VerifyBatch, ops: Tensor | None, responses: Sequence[Response], version: int
     ) -> tuple[Tensor, dict[str, float]]:
         """Keep lengths [R] and the strategy's own stats; ``ops`` is the packed token OPS [N] or None."""
         raise NotImplementedError
@@ -327,7 +327,7 @@ def make_strategy(mode: str | None = None, cfg: AlgoConfig | None = None, device
 # --- helpers ----------------------------------------------------------------------------------------------
 
 
-def _pack_new_logprobs(new_logprobs: NewLogprobs, batch: PackedBatch) -> Tensor:
+def _pack_new_logprobs(new_logprobs: NewLogprobs, batch: VerifyBatch) -> Tensor:
     if new_logprobs is None:
         raise ValueError("new_logprobs are required: one array of new-policy log-probs per carried-over response")
     if isinstance(new_logprobs, Tensor):

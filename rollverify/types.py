@@ -2,12 +2,11 @@
 
 A response is generated across several rollout phases (partial rollout): each phase appends tokens under
 the current policy version, so its tokens form *segments* of equal version. Per-token fields are numpy
-arrays (cheap to ship as raw buffers); ``PackedBatch`` lays many responses end to end in torch tensors for
-vectorised work on CPU or GPU.
+arrays (cheap to ship as raw buffers); ``VerifyBatch`` lays the log-probs and versions of many responses end
+to end in torch tensors for verification's vectorised work on CPU or GPU.
 
 Every per-token field of a response has exactly ``num_tokens`` rows, always: ``append`` checks it and
-``truncate`` cuts them all together, in one place. (Per-token fields of different lengths after a cut are
-a known crash in partial-rollout frameworks.)
+``truncate`` cuts them all together, in one place, so no cut can leave fields of different lengths.
 """
 
 from __future__ import annotations
@@ -208,7 +207,7 @@ class Group:
 
 
 @dataclass(eq=False)
-class PackedBatch:
+class VerifyBatch:
     """What verification reads of many responses, laid end to end: per-token log-probs and versions (flat
     tensors) plus per-response lengths. Token ids and prompts stay in the responses: no strategy reads them."""
 
@@ -218,7 +217,7 @@ class PackedBatch:
     lengths: Tensor  # [R] int64, summing to N
 
     @classmethod
-    def from_responses(cls, responses: Sequence[Response], device: str | torch.device = "cpu") -> PackedBatch:
+    def from_responses(cls, responses: Sequence[Response], device: str | torch.device = "cpu") -> VerifyBatch:
         def cat(arrays: list[np.ndarray], dtype: type) -> Tensor:
             flat = np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype)
             return torch.from_numpy(flat).to(device)

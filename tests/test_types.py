@@ -1,4 +1,4 @@
-"""Response, Group and PackedBatch: per-token fields stay together through append and truncate."""
+"""Response, Group and VerifyBatch: per-token fields stay together through append and truncate."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollverify.types import Group, PackedBatch, Response
+from rollverify.types import Group, Response, VerifyBatch
 
 
 def make(n_tokens=0, routes=False, budget=16, versions=0):
@@ -141,7 +141,7 @@ def test_group_new_and_finished():
 def test_packed_batch_round_trip():
     rs = [make(3, versions=1), make(0), make(2, versions=2)]
     rs[2].index = 2
-    b = PackedBatch.from_responses(rs)
+    b = VerifyBatch.from_responses(rs)
     assert b.response_ids == ["3-1", "3-1", "3-2"]
     assert b.lengths.tolist() == [3, 0, 2]
     assert b.versions.dtype == torch.int64 and b.versions.tolist() == [1, 1, 1, 2, 2]
@@ -151,5 +151,5 @@ def test_packed_batch_round_trip():
 
 
 def test_packed_batch_empty():
-    b = PackedBatch.from_responses([])
+    b = VerifyBatch.from_responses([])
     assert b.num_tokens == 0 and b.lengths.tolist() == [] and b.logprobs.tolist() == []
