@@ -82,15 +82,21 @@ def find_checkpoint(path: str | Path) -> Path:
     return ckpt
 
 
+def check_new_folder(out: str | Path) -> Path:
+    """`out` as a Path when it is new or an empty folder, else FileExistsError (an export replaces nothing)."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"--out {out} exists and is not an empty folder; give a new folder")
+    return out
+
+
 def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
     """Load a run's trainer checkpoint into a trainer of the same layout and export it to `out` (new or empty)."""
     from rollverify.config import RunConfig
     from rollverify.train import resolve_model, start_trainer
 
     ckpt = find_checkpoint(checkpoint)
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"--out {out} exists and is not an empty folder; give a new folder")
+    out = check_new_folder(out)
     cfg = RunConfig.from_dict(json.loads((ckpt.parent / "config.json").read_text()), check_task=False)
     meta = json.loads((ckpt / "trainer" / "rollverify_trainer.json").read_text())
     model_path = Path(meta["model_path"]) if Path(meta["model_path"]).is_dir() else resolve_model(cfg)
@@ -115,9 +121,7 @@ def cli_main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         find_checkpoint(a.checkpoint)
-        out = Path(a.out)
-        if out.exists() and (not out.is_dir() or any(out.iterdir())):
-            raise FileExistsError(f"--out {out} exists and is not an empty folder; give a new folder")
+        check_new_folder(a.out)
     except (FileNotFoundError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -120,11 +120,10 @@ def ppo_tis_loss(
     loss = torch.maximum(loss_unclipped, loss_clipped)
     if dual_clip_c < math.inf:
         loss = torch.where(adv < 0, torch.minimum(loss, -adv * dual_clip_c), loss)
-    w, metrics = _tis(old, rollout_logprobs, valid, tis_cap)
-    total = aggregate(w * loss, valid, agg_mode or DEFAULT_AGG["ppo"], global_count)
+    total, metrics = _weigh_and_aggregate(loss, old, rollout_logprobs, valid, tis_cap,
+                                          agg_mode or DEFAULT_AGG["ppo"], global_count)
     with torch.no_grad():
         metrics |= {
-            "pg_loss": total.detach(),
             "clip_frac_high": masked_mean(((adv > 0) & (ratio > 1 + eps_high)).to(lp.dtype), valid),
             "clip_frac_low": masked_mean(((adv < 0) & (ratio < 1 - eps_low)).to(lp.dtype), valid),
             "dual_clip_frac": masked_mean(((adv < 0) & (ratio > dual_clip_c)).to(lp.dtype), valid),
@@ -164,12 +163,11 @@ def gspo_loss(
     log_s = (lp - lp.detach() + seq_log_ratio.detach().unsqueeze(-1)).clamp(max=10.0)
     s = torch.exp(log_s)
     loss = torch.maximum(-adv * s, -adv * s.clamp(1 - eps_low, 1 + eps_high))
-    w, metrics = _tis(old, rollout_logprobs, valid, tis_cap)
-    total = aggregate(w * loss, valid, agg_mode or DEFAULT_AGG["gspo"], global_count)
+    total, metrics = _weigh_and_aggregate(loss, old, rollout_logprobs, valid, tis_cap,
+                                          agg_mode or DEFAULT_AGG["gspo"], global_count)
     with torch.no_grad():
         clipped = ((adv > 0) & (s > 1 + eps_high)) | ((adv < 0) & (s < 1 - eps_low))
         metrics |= {
-            "pg_loss": total.detach(),
             "clip_frac": masked_mean(clipped.to(lp.dtype), valid),
             "seq_ratio_mean": masked_mean(torch.exp(seq_log_ratio), seq_len > 0),
         }
@@ -201,12 +199,11 @@ def sapo_loss(
     ratio = torch.exp((lp - old).clamp(-20.0, 20.0))
     tau = torch.where(adv > 0, adv.new_tensor(tau_pos), adv.new_tensor(tau_neg))  # the compute dtype
     gate = 4.0 / tau * torch.sigmoid(tau * (ratio - 1))
-    w, metrics = _tis(old, rollout_logprobs, valid, tis_cap)
-    total = aggregate(-w * gate * adv, valid, agg_mode or DEFAULT_AGG["sapo"], global_count)
+    total, metrics = _weigh_and_aggregate(-gate * adv, old, rollout_logprobs, valid, tis_cap,
+                                          agg_mode or DEFAULT_AGG["sapo"], global_count)
     with torch.no_grad():
         p = torch.sigmoid(tau * (ratio - 1))
         metrics |= {
-            "pg_loss": total.detach(),
             "ratio_mean": masked_mean(ratio, valid),
             "gate_grad_weight_mean": masked_mean(4 * p * (1 - p), valid),  # 1 on-policy, -> 0 far off
         }
@@ -266,12 +263,11 @@ def vespo_loss(
         seq_w = torch.exp(log_w)  # may be inf: then c2 (1 - W) = -inf and phi = 0
         phi = torch.exp(c1 * log_w + c2 * (1 - seq_w))
     loss = -phi.unsqueeze(-1) * adv * torch.exp(lp - lp.detach())
-    w, metrics = _tis(old, rollout_logprobs, valid, tis_cap)
-    total = aggregate(w * loss, valid, agg_mode or DEFAULT_AGG["vespo"], global_count)
+    total, metrics = _weigh_and_aggregate(loss, old, rollout_logprobs, valid, tis_cap,
+                                          agg_mode or DEFAULT_AGG["vespo"], global_count)
     with torch.no_grad():
         has = valid.any(-1)
         metrics |= {
-            "pg_loss": total.detach(),
             "seq_log_ratio_mean": masked_mean(log_w, has),
             "phi_mean": masked_mean(phi, has),
             "phi_max": phi[has].max() if has.any() else torch.zeros(()),
@@ -329,6 +325,18 @@ def _tis(old: Tensor, rollout: Tensor | None, valid: Tensor, cap: float) -> tupl
             "tis_frac_capped": masked_mean((log_w >= math.log(cap)).to(old.dtype), valid),
         }
     return w, metrics
+
+
+def _weigh_and_aggregate(
+    loss: Tensor, old: Tensor, rollout: Tensor | None, valid: Tensor, tis_cap: float, mode: str,
+    global_count: int | None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Every loss's tail: per-token losses times their TIS weights, aggregated per `mode`; the TIS statistics
+    and the result as ``pg_loss``."""
+    w, metrics = _tis(old, rollout, valid, tis_cap)
+    total = aggregate(w * loss, valid, mode, global_count)
+    metrics["pg_loss"] = total.detach()
+    return total, metrics
 
 
 def _count(given: int | None, valid: Tensor) -> float | Tensor:
