@@ -256,7 +256,7 @@ class RunConfig:
                     f"task.options.{key}: data file {value} does not exist; give the path of a local JSONL or "
                     "parquet file (tools/prepare_data.py converts the published layouts)"
                 )
-        for name, spec in (getattr(self.eval, "sets", None) or {}).items():
+        for name, spec in self.eval.sets.items():
             path = spec.get("path") if isinstance(spec, dict) else spec
             if isinstance(path, str) and not Path(path).expanduser().is_file():
                 raise ConfigError(

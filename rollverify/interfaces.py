@@ -2,8 +2,9 @@
 
 `sglang_ext.rollout_engine.SGLangRolloutEngine` and `megatron_bridge.loop_adapter.LoopTrainer` implement them
 for real runs, `rollverify.sim`'s `SimEngine` and `SimTrainer` for the simulator. The loop, the buffer and the
-strategies know only these protocols; the backends are imported lazily, inside functions, by the entry points
-that build a run (`train`, `demo`, `export`, `plan`, `cli`). Every array is numpy, so the same objects cross a
+strategies know only these protocols. The backends are imported lazily, inside functions, by the entry points
+only: `train` (both; `eval` and `export` start theirs through its `start_engine` / `start_trainer`), `demo`
+and `cli` (SGLang), `plan` (Megatron's model description). Every array is numpy, so the same objects cross a
 ZMQ frame, a process boundary or a checkpoint without conversion.
 """
 

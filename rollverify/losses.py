@@ -243,7 +243,7 @@ def vespo_loss(
     plain policy gradient. phi is computed in log space (c1 log W + c2 (1 - W)), so a huge W gives phi = 0, never
     inf or NaN. Defaults: the (c1, c2) of the authors' recipe run scripts (recipe/vespo/run/sync/*.sh). The
     kernel is the paper's closed form phi(W) = W^{c1} e^{c2(1-W)}, its gamma kernel W^alpha e^{-lambda W} scaled
-    to phi(1) = 1; the paper's own equation numbers could not be read here, so none is cited.
+    to phi(1) = 1.
     """
     if logprobs.dim() != 2:
         raise ValueError(f"vespo_loss needs padded [batch, tokens] tensors, got shape {tuple(logprobs.shape)}")

@@ -1,8 +1,9 @@
 """`rollverify train`: the entry point that wires the loop to real SGLang servers and a Megatron-Core trainer.
 
-This is the one module of `rollverify` that imports `sglang_ext` and `megatron_bridge` (DESIGN.md's dependency
-rule): it reads the config, starts (or connects to) the servers and the trainer, runs `Loop.run_step` for the
-configured steps with evaluation, metrics and checkpoints, and shuts everything down.
+It reads the config, starts (or connects to) the servers and the trainer, runs `Loop.run_step` for the
+configured steps with evaluation, metrics and checkpoints, and shuts everything down. As an entry point it may
+import `sglang_ext` and `megatron_bridge` (DESIGN.md's dependency rule), lazily, inside functions:
+`start_engine` and `start_trainer` are how `rollverify eval` and `rollverify export` build theirs too.
 """
 
 from __future__ import annotations
@@ -201,14 +202,15 @@ def train(
     overwrite: bool = False,
     bar: bool | None = None,
 ) -> dict:
-    """Run `cfg.trainer.steps` steps into `out`; returns the summary. A config that does not fit its cluster
-    (`rollverify.plan.check`) raises PlanError before anything is written or started."""
+    """Run `cfg.trainer.steps` steps into `out`; returns the summary. `progress`: a bar on a terminal (or as
+    `bar` says), else one line per step.
+
+    Before anything starts or is written, a config that does not fit its cluster (`rollverify.plan.check`)
+    raises PlanError, and a run folder or input file that is not usable a RunFolderError / ConfigError naming
+    what is wrong."""
     from rollverify.plan import check as check_plan
 
     check_plan(cfg)
-    # the run folder and the files the run reads are checked before anything starts or is written: a
-    # RunFolderError / ConfigError names what is wrong. `progress`: a bar on a terminal (or as `bar` says),
-    # else one line per step.
     cfg.check_paths()
     out = rundir.claim(out, resume=resume, overwrite=overwrite)
     quiet_cpu_warnings()
