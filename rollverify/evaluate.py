@@ -8,7 +8,9 @@ every response scored by the run's reward. Per set:
 - ``eval/<set>/avg@k``: the mean reward over all k x prompts responses;
 - ``eval/<set>/pass@k``: the share of prompts with at least one response whose reward is >= `eval.solved_at`;
 
-and ``eval_reward`` is the mean of the sets' avg@k. During training these go into metrics.jsonl, TensorBoard
+and ``eval_reward`` is the mean of the sets' avg@k, ``eval_reward_se`` its standard error over prompts (each
+set's per-prompt mean rewards: std / sqrt(prompts); prompts are the independent draws, a prompt's k samples are
+not). ``eval_reward +- 1.96 eval_reward_se`` is its 95 % interval (`format_interval`). During training these go into metrics.jsonl, TensorBoard
 and the plots; `rollverify eval --model PATH --config FILE` prints them (and writes them with ``--out``).
 """
 
@@ -96,6 +98,21 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
 
 
+def standard_error(scores: np.ndarray) -> float:
+    """Standard error of the mean reward of one set, shape [prompts, k], over its prompts (NaN for one prompt)."""
+    per_prompt = np.asarray(scores, dtype=np.float64).mean(axis=1)
+    if per_prompt.size < 2:
+        return float("nan")
+    return float(per_prompt.std(ddof=1) / np.sqrt(per_prompt.size))
+
+
+def format_interval(mean: float, se: float, z: float = 1.96) -> str:
+    """``0.412 +- 0.018 [0.377, 0.447]``: the mean, z standard errors and the interval they span."""
+    if not np.isfinite(se):
+        return f"{mean:.3f}"
+    return f"{mean:.3f} +- {z * se:.3f} [{mean - z * se:.3f}, {mean + z * se:.3f}]"
+
+
 def set_metrics(scores: np.ndarray, solved_at: float) -> dict[str, float]:
     """avg@k and pass@k of one set from its rewards, shape [prompts, k]."""
     scores = np.asarray(scores, dtype=np.float64)
@@ -145,6 +162,7 @@ class Evaluator:
         prompts = [ids for set_ids in self._ids for ids in set_ids for _ in range(self.k)]
         outs = engine.generate(prompts, self.max_new_tokens, SamplingParams(temperature=self.temperature), tag=tag)
         metrics: dict[str, float] = {}
+        ses = []
         i = 0
         for s in self.sets:
             scores = np.empty((len(s.examples), self.k), np.float64)
@@ -153,8 +171,10 @@ class Evaluator:
                     scores[p, j] = self.score(x.prompt, self.decode(outs[i].tolist()), x.label)
                     i += 1
             metrics.update({f"eval/{s.name}/{key}": v for key, v in set_metrics(scores, self.solved_at).items()})
+            ses.append(standard_error(scores))
         avgs = [v for key, v in metrics.items() if key.endswith(f"/avg@{self.k}")]
         metrics["eval_reward"] = float(np.mean(avgs))
+        metrics["eval_reward_se"] = float(np.sqrt(np.sum(np.square(ses))) / len(ses))  # the sets are independent
         return metrics
 
 
@@ -253,4 +273,5 @@ def cli_main(argv: list[str] | None = None) -> int:
         return 2
     result = evaluate_checkpoint(cfg, a.model, a.out)
     print(format_table(result))
+    print(f"eval_reward {format_interval(result['eval_reward'], result['eval_reward_se'])} (95 % interval over prompts)")
     return 0

@@ -40,6 +40,7 @@ STEP_FIELDS = (
     "n_finished_groups",
     "n_carried",
     "tokens_generated",
+    "decode_iters",
     "rollout_s",
     "train_s",
     "verify_s",
@@ -152,6 +153,7 @@ def summarize(records: Sequence[Mapping[str, Any]], last_n: int = 10) -> dict[st
         "kept_whole_rate_mean": _mean(_values(records, "kept_whole_rate")),
         "staleness_max": max(_values(records, "staleness_max"), default=None),
         "tokens_generated": sum(_values(records, "tokens_generated")),
+        "decode_iters_mean": _mean(_values(records, "decode_iters")),
         "switched_at_step": switch_step(records),
         "step_s_mean": _mean(_values(records, "step_s")),
     }
@@ -301,6 +303,12 @@ PANELS = (
         "responses",
     ),
     (
+        "decode_iters",
+        "Rollout decode iterations (hardware-neutral rollout time)",
+        [("decode_iters", "decode iterations")],
+        "iterations / step",
+    ),
+    (
         "step_time",
         "Step time",
         [
@@ -318,14 +326,18 @@ PANELS = (
 def _series(
     records: Sequence[Mapping[str, Any]], key: str, x: str = "step"
 ) -> tuple[list[float], list[float]]:
+    """(x, y) of `key` against `x`: "step", "time" (cumulative step_s, minutes) or "iters" (cumulative
+    decode_iters, thousands)."""
     xs, ys = [], []
     t = 0.0
     for r in records:
         if x == "time":
-            t += float(r.get("step_s") or 0.0)
+            t += float(r.get("step_s") or 0.0) / 60.0
+        elif x == "iters":
+            t += float(r.get("decode_iters") or 0.0) / 1000.0
         v = r.get(key)
         if isinstance(v, (int, float)) and not isinstance(v, bool):
-            xs.append(t / 60.0 if x == "time" else r["step"])
+            xs.append(t if x != "step" else r["step"])
             ys.append(float(v))
     return xs, ys
 
@@ -371,9 +383,11 @@ def plot_run(records: Sequence[Mapping[str, Any]], out_dir: str | Path) -> list[
         _draw_panel(ax, records, title, series, ylabel, switch)
         paths.append(out_dir / f"{name}.png")
         fig.savefig(paths[-1], dpi=100)
-    fig, axes = _figure(2, 3, size=(5.0, 3.4))
-    for ax, (_, title, series, ylabel) in zip(axes, PANELS, strict=True):
+    fig, axes = _figure(2, 4, size=(5.0, 3.4))
+    for ax, (_, title, series, ylabel) in zip(axes, PANELS, strict=False):
         _draw_panel(ax, records, title, series, ylabel, switch)
+    for ax in axes[len(PANELS) :]:
+        ax.set_visible(False)
     paths.append(out_dir / "overview.png")
     fig.savefig(paths[-1], dpi=90)
     keys = eval_set_keys(records)
@@ -396,6 +410,8 @@ COMPARE_PANELS = (
     ("Off-policy shift", "ops_mean", "step", "mean OPS"),
     ("Acceptance rate", "acceptance_rate", "step", "rate"),
     ("Step time", "step_s", "step", "seconds"),
+    ("Rollout decode iterations", "decode_iters", "step", "iterations / step"),
+    ("Eval reward vs decode iterations", "eval_reward", "iters", "mean reward"),
 )
 
 
@@ -414,7 +430,7 @@ def plot_comparison(
     }
     if not loaded:
         raise ValueError("plot_comparison needs at least one run")
-    fig, axes = _figure(2, 3, size=(5.0, 3.4))
+    fig, axes = _figure(2, 4, size=(5.0, 3.4))
     for ax, (ptitle, key, x, ylabel) in zip(axes, COMPARE_PANELS, strict=True):
         drawn = False
         for label, records in loaded.items():
@@ -428,7 +444,10 @@ def plot_comparison(
         if not drawn:
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="gray")
         ax.set_title(ptitle)
-        ax.set_xlabel("wall-clock minutes (sum of step times)" if x == "time" else "step")
+        ax.set_xlabel(
+            {"time": "wall-clock minutes (sum of step times)", "iters": "thousand decode iterations (cumulative)"}
+            .get(x, "step")
+        )
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         if drawn:

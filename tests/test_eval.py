@@ -14,6 +14,7 @@ from rollverify.evaluate import (
     EvalSet,
     Evaluator,
     build_evaluator,
+    format_interval,
     format_table,
     parse_eval_sets,
     pass_at_k,
@@ -184,7 +185,11 @@ def test_evaluator_batches_every_set_with_the_chat_template(tmp_path, chat_token
         "eval/aime/avg@2": 0.5, "eval/aime/pass@2": 1.0,
         "eval/amc/avg@2": pytest.approx(1 / 3), "eval/amc/pass@2": pytest.approx(1 / 3),
         "eval_reward": pytest.approx((0.5 + 1 / 3) / 2),
+        # per-prompt means: aime [1/2, 1/2] (se 0), amc [1, 0, 0] (std 3^-1/2, se 1/3): sqrt(0 + 1/9) / 2 sets
+        "eval_reward_se": pytest.approx(1 / 6),
     }
+    assert format_interval(m["eval_reward"], m["eval_reward_se"]) == "0.417 +- 0.327 [0.090, 0.743]"
+    assert format_interval(0.5, float("nan")) == "0.500"
     assert format_table(m).splitlines()[0].split() == ["aime", "avg@2", "0.5000", "pass@2", "1.0000"]
     # the metrics file, TensorBoard and the plots get them per set
     with MetricsWriter(tmp_path / "run", None) as w:
