@@ -28,7 +28,7 @@ from sglang_ext.protocol import (
     encode_outputs,
     error_header,
 )
-from sglang_ext.server import ConfigError, ServeConfig, check_config, check_endpoint
+from sglang_ext.server import ServeConfig, ServeConfigError, check_config, check_endpoint
 from sglang_ext.store import RouteShape, State, new_record
 
 
@@ -108,7 +108,7 @@ def test_header_limits_and_strict_types(head, words, req_id, req_type):
 
 
 def test_serve_refuses_a_weights_version_beyond_int32():
-    with pytest.raises(ConfigError, match="outside"):
+    with pytest.raises(ServeConfigError, match="outside"):
         check_config(ServeConfig(model="m", version=2**31))
     check_config(ServeConfig(model="m", version=2**31 - 1))
 
@@ -220,9 +220,9 @@ def test_model_folder_problems_are_named(tmp_path, tiny_dense_path):
 
 
 def test_serve_refuses_open_address_without_keys(tmp_path, tiny_dense_path):
-    with pytest.raises(ConfigError, match="not a loopback address and no CURVE keys"):
+    with pytest.raises(ServeConfigError, match="not a loopback address and no CURVE keys"):
         check_endpoint(ServeConfig(model="m", control="tcp://0.0.0.0:5555"))
-    with pytest.raises(ConfigError, match="not a loopback"):
+    with pytest.raises(ServeConfigError, match="not a loopback"):
         check_endpoint(ServeConfig(model="m", control="tcp://*:5555"))
     for ok in ("tcp://127.0.0.1:5555", "tcp://localhost:1", "tcp://[::1]:7", "ipc:///tmp/x"):
         check_endpoint(ServeConfig(model="m", control=ok))

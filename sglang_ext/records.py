@@ -1,0 +1,254 @@
+"""The server's responses and their engine requests: launch, absorb, finish, stop, drop.
+
+A record (`store.Record`) is `paused` (live, no engine request), `running` (exactly one engine request in flight,
+its task on the record) or `finished` (its final delta queued as an event). Every generated token enters the
+record through `_absorb`, stamped with the weights version its request was launched under; what the controller
+has not yet seen leaves it through `Record.take_delta`, exactly once.
+
+`EngineCalls` counts engine calls in flight: SGLang runs at its idle niceness only while none is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import numpy as np
+
+from sglang_ext.protocol import ErrorCode, Output, ProtocolError, route_dtype
+from sglang_ext.store import Record, RouteShape, State
+
+log = logging.getLogger(__name__)
+
+STOP_TIMEOUT_S = 120.0
+
+
+class EngineCalls:
+    """Engine calls in flight (generation, weights, flush, loads); SGLang is at full priority while any is."""
+
+    def __init__(self, set_idle: Callable[[bool], None] | None):
+        self._set_idle = set_idle
+        self.busy = 0
+
+    def count(self, delta: int) -> None:
+        before, self.busy = self.busy, self.busy + delta
+        if self._set_idle is not None and (before == 0) != (self.busy == 0):
+            self._set_idle(self.busy == 0)
+
+    @contextlib.asynccontextmanager
+    async def call(self) -> AsyncIterator[None]:
+        """Around an engine call other than generation."""
+        self.count(+1)
+        try:
+            yield
+        finally:
+            self.count(-1)
+
+
+class EventQueue:
+    """Finished responses' final deltas, numbered by `seq`, kept until a controller acknowledges them."""
+
+    def __init__(self) -> None:
+        self.pending: deque[Output] = deque()
+        self.last_seq = 0
+        self._waiters: set[asyncio.Future] = set()
+
+    def __len__(self) -> int:
+        return len(self.pending)
+
+    def push(self, rec: Record) -> None:
+        self.last_seq += 1
+        self.pending.append(rec.take_delta(seq=self.last_seq))
+        for fut in self._waiters:
+            if not fut.done():
+                fut.set_result(None)
+        self._waiters.clear()
+
+    def acknowledge(self, after: int) -> None:
+        """Forget every event with seq <= after."""
+        while self.pending and self.pending[0].seq <= after:
+            self.pending.popleft()
+
+    async def wait(self, timeout_s: float) -> None:
+        """Until an event is pushed or `timeout_s` passed."""
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.add(fut)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(fut, timeout_s)
+        self._waiters.discard(fut)
+
+    def first(self, n: int) -> list[Output]:
+        return [e for _, e in zip(range(n), self.pending, strict=False)]
+
+
+class Records:
+    """Every response the server holds, by id, and the engine requests that generate them."""
+
+    def __init__(
+        self,
+        engine: Any,
+        version: int,
+        engine_calls: EngineCalls,
+        spawn: Callable[[Awaitable[Any]], asyncio.Task],
+    ):
+        self.engine = engine
+        self.version = version  # the weights version new engine requests are stamped with
+        self.paused = False
+        self.table: dict[str, Record] = {}
+        self.events = EventQueue()
+        self.tokens_generated = 0
+        self.engine_calls = engine_calls
+        self._spawn = spawn
+        self.route_shape: RouteShape | None = None
+        if engine.routes:
+            info = engine.info
+            self.route_shape = RouteShape(info.num_layers, int(info.top_k), route_dtype(int(info.num_experts)))
+
+    # ------------------------------------------------------------------------------------- queries
+
+    def in_state(self, state: State) -> list[Record]:
+        return [r for r in self.table.values() if r.state is state]
+
+    def lookup(self, rids: list[str]) -> list[Record]:
+        """The records of `rids`; any unknown id refuses the whole request."""
+        missing = [r for r in rids if r not in self.table]
+        if missing:
+            raise ProtocolError(
+                ErrorCode.UNKNOWN_RESPONSE,
+                f"unknown response id(s) {missing[:10]}{' ...' if len(missing) > 10 else ''} "
+                f"({len(missing)} of {len(rids)}); nothing was changed",
+                {"rids": missing[:100]},
+            )
+        return [self.table[r] for r in rids]
+
+    def require_idle(self, what: str) -> None:
+        n = len(self.in_state(State.RUNNING))
+        if n:
+            raise ProtocolError(
+                ErrorCode.BUSY, f"{what} needs no generating responses, but {n} are running; pause first"
+            )
+
+    # ------------------------------------------------------------------------------------- transitions
+
+    def add(self, rec: Record) -> None:
+        """Hold a new response; it launches at once unless the server is paused."""
+        self.table[rec.rid] = rec
+        if not self.paused:
+            self.launch(rec)
+
+    def launch(self, rec: Record) -> None:
+        """paused -> running: one engine request from prompt + kept tokens, for the remaining budget."""
+        if rec.remaining <= 0:
+            self.finish(rec, "length")
+            return
+        rec.launch_len = n = len(rec)
+        rec.launch_version = self.version
+        routes_start = None
+        if self.route_shape is not None:
+            # routes of the positions that will sample new tokens; from 0 when the prompt's own are still unknown
+            routes_start = 0 if (rec.prompt_routes is None and n == 0) else len(rec.prompt) + n - 1
+        sampling = dict(rec.sampling_args)
+        sampling["max_new_tokens"] = rec.remaining
+        input_ids = np.concatenate([rec.prompt, rec.tokens]).tolist()
+        self.engine_calls.count(+1)
+        rec.task = self._spawn(self._generate(rec, rec.engine_rid(), input_ids, sampling, routes_start))
+        rec.state = State.RUNNING
+
+    async def _generate(
+        self, rec: Record, erid: str, input_ids: list[int], sampling: dict, routes_start: int | None
+    ) -> None:
+        try:
+            try:
+                res = await self.engine.generate(erid, input_ids, sampling, routes_start)
+            except Exception as e:
+                log.exception("engine request %s failed", erid)
+                from sglang_ext.engine import GenResult
+
+                res = GenResult(np.zeros(0, np.int32), np.zeros(0, np.float32), None, "error", error=str(e))
+            if self.table.get(rec.rid) is not rec or rec.state is not State.RUNNING:
+                return  # dropped meanwhile
+            rec.task = None
+            try:
+                self._absorb(rec, res, routes_start)
+            except Exception as e:  # never leave a response running with no engine request behind it
+                log.exception("response %s: recording the engine's output failed", rec.rid)
+                if rec.state is State.RUNNING:
+                    self.finish(rec, "error", f"recording the engine's output failed: {type(e).__name__}: {e}")
+        finally:
+            self.engine_calls.count(-1)
+
+    def _absorb(self, rec: Record, res: Any, routes_start: int | None) -> None:
+        """running -> paused (aborted by a pause) or finished: append what the engine request generated."""
+        m = len(res.output_ids)
+        rec.append(res.output_ids, res.logprobs, rec.launch_version, self._generated_routes(rec, res, routes_start))
+        self.tokens_generated += m
+        if res.finish_type == "abort" and self.paused:
+            rec.state = State.PAUSED
+        elif res.finish_type in ("stop", "length"):
+            rec.matched_stop = res.matched_stop
+            self.finish(rec, res.finish_type)
+        else:
+            self.finish(rec, "error", res.error or f"the engine ended the request ({res.finish_type})")
+
+    def _generated_routes(self, rec: Record, res: Any, routes_start: int | None) -> np.ndarray | None:
+        """The routes of the generated tokens (None: unknown); a request from position 0 also sets the prompt's."""
+        rs = self.route_shape
+        if rs is None or res.routes is None:
+            return None
+        m = len(res.output_ids)
+        routes = res.routes
+        if routes_start == 0:
+            p = len(rec.prompt) - 1
+            if m >= 1 and routes.shape[0] == p + m:
+                rec.prompt_routes = routes[:p].astype(rs.dtype)
+            routes = routes[p:] if routes.shape[0] >= p else routes[:0]
+        if routes.shape[0] == m and routes.shape[1:] == (rs.layers, rs.top_k):
+            return routes
+        log.warning("response %s: %s routes for %d tokens; recorded as unknown", rec.rid, routes.shape, m)
+        return None
+
+    def finish(self, rec: Record, reason: str, error: str | None = None) -> None:
+        """-> finished: its last delta becomes an event."""
+        rec.state = State.FINISHED
+        rec.finish_reason = reason
+        rec.error = error
+        rec.task = None
+        self.events.push(rec)
+
+    async def stop_running(self, recs: list[Record]) -> float:
+        """Abort every engine request and wait until each has returned its partial output; seconds taken."""
+        tasks = [r.task for r in recs if r.task is not None]
+        if not tasks:
+            return 0.0
+        t0 = time.perf_counter()
+        self.engine.abort_all()
+        _, pending = await asyncio.wait(tasks, timeout=0.05)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while pending:
+            if time.monotonic() > deadline:
+                raise ProtocolError(ErrorCode.ENGINE_ERROR, f"{len(pending)} engine requests did not stop")
+            self.engine.abort_all()  # a request still on its way to the scheduler missed the first abort
+            _, pending = await asyncio.wait(pending, timeout=0.2)
+        return time.perf_counter() - t0
+
+    def drop(self, recs: list[Record]) -> None:
+        """Forget responses; a running one's engine request is aborted in the background."""
+        for rec in recs:
+            if rec.state is State.RUNNING and rec.task is not None:
+                self._spawn(self._drain(rec.task, f"{rec.rid}#{rec.launches}"))
+            del self.table[rec.rid]
+            rec.state = State.FINISHED
+
+    async def _drain(self, task: asyncio.Task, erid: str) -> None:
+        """Abort a dropped request until it has ended (an abort can overtake a request still on its way)."""
+        for _ in range(int(STOP_TIMEOUT_S / 0.2)):
+            self.engine.abort(erid)
+            await asyncio.wait([task], timeout=0.2)
+            if task.done():
+                return
+        log.warning("dropped request %s did not stop", erid)
