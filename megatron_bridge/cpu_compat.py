@@ -19,7 +19,10 @@ only these, so the project's one code path (the trainer) runs unchanged on a lap
   device-to-host copy), since `all_to_all_single` rejects tensor split sizes.
 
 `patch_missing_te()` is separate because it also applies on GPUs without TransformerEngine: 0.16.1 references
-`moe_utils.te_general_gemm` without defining it when TE is absent.
+`moe_utils.te_general_gemm` without defining it when TE is absent, and without TE or apex the distributed
+optimizer runs torch's Adam, whose per-parameter `step` state the `fully_reshardable` checkpoint format leaves out
+(load restores it from the param groups as one tensor shared by all parameters, then fails copying the tensors'
+`step` that is not there).
 
 Models must be built with `use_cpu_initialization=True` and called with an explicit attention mask (the default
 causal mask is built on CUDA); `megatron_bridge.model` does both.
@@ -70,6 +73,9 @@ _MODULES = (
     "megatron.core.optimizer.distrib_optimizer",
     "megatron.core.optimizer.clip_grads",
     "megatron.core.optimizer_param_scheduler",
+    "megatron.core.dist_checkpointing.strategies.torch",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
 )
 
 _CUDA_TYPE_NAMES = {
@@ -234,10 +240,31 @@ def _set(owner: Any, name: str, value: Any) -> None:
 
 
 def patch_missing_te() -> None:
-    """Define `moe_utils.te_general_gemm = None` when TE is absent (0.16.1 raises NameError otherwise)."""
+    """Define `moe_utils.te_general_gemm = None` when TE is absent (0.16.1 raises NameError otherwise); let the
+    distributed optimizer's checkpoint load keep torch Adam's `step` (see the module docstring). Idempotent."""
     moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    distrib = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
+    cls = distrib.DistributedOptimizer
+    if not distrib.HAVE_APEX_OR_TE and not hasattr(cls._set_main_param_and_optimizer_states, "__rollverify__"):
+        cls._set_main_param_and_optimizer_states = _keep_torch_adam_step(cls._set_main_param_and_optimizer_states)
+
+
+def _keep_torch_adam_step(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def set_states(self, model_param, tensors):
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
+        if "step" not in tensors and "step" in state:
+            # restored from the param groups as ONE tensor shared by every parameter, which torch's Adam would
+            # then increment once per parameter each step: each parameter gets its own copy
+            state["step"] = state["step"].clone()
+            tensors = {**tensors, "step": state["step"]}
+        return original(self, model_param, tensors)
+
+    set_states.__rollverify__ = True  # type: ignore[attr-defined]
+    return set_states
 
 
 def _cpu_get_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
@@ -296,6 +323,8 @@ def activate() -> None:
     distrib = sys.modules["megatron.core.optimizer.distrib_optimizer"]
     cls = distrib.DistributedOptimizer
     _set(cls, "__init__", _with_cuda_type_names(cls.__init__))
+    # the optimizer state of a distributed checkpoint is gathered over DP with `.cuda()` copies first
+    _set(cls, "get_parameter_state_dp_zero", _with_context(cls.get_parameter_state_dp_zero, tensor_cuda_is_identity))
     _set(cls, "_build_model_and_main_param_groups",
          staticmethod(_with_cuda_type_names(cls._build_model_and_main_param_groups)))
     optimizer = sys.modules["megatron.core.optimizer.optimizer"]

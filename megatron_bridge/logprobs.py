@@ -135,6 +135,18 @@ class DeferredOutputLayer(torch.nn.Module):
             hidden_states = copy_to_tensor_model_parallel_region(hidden_states, group=self.tp_group)
         return hidden_states, None
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """As `ColumnParallelLinear`'s: the weight is split along the vocabulary (dim 0) over TP."""
+        from megatron.core.transformer.utils import (
+            ensure_metadata_has_dp_cp_group,
+            make_sharded_tensors_for_checkpoint,
+        )
+
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        state = self.state_dict(prefix="", keep_vars=True)
+        return make_sharded_tensors_for_checkpoint(state, prefix, {"weight": 0}, sharded_offsets,
+                                                   tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"])
+
 
 def defer_output_layer(model) -> None:
     """Make a GPTModel (last pipeline stage) return hidden states instead of logits (see module docstring)."""

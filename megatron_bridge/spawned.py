@@ -9,6 +9,7 @@ a rank that dies or stalls past `timeout_s` fails the call instead of hanging it
 
 from __future__ import annotations
 
+import atexit
 import io
 import os
 import traceback
@@ -128,12 +129,15 @@ class SpawnedTrainer:
         self._conns, self._procs = [], []
         for r in range(world_size):
             parent, child = ctx.Pipe()
+            # not daemonic: a rank starts processes of its own (Megatron-Core's checkpoint writers); a rank whose
+            # driver is gone reads EOF on its pipe and exits, and `close` runs at the driver's exit (atexit)
             p = ctx.Process(target=_worker, args=(r, world_size, port, str(model_path), self.cfg, dtype, seed, child, threads),
-                            daemon=True)
+                            daemon=False)
             p.start()
             child.close()
             self._conns.append(parent)
             self._procs.append(p)
+        atexit.register(self.close, force=True)
         try:
             self._replies()
         except BaseException:
@@ -224,12 +228,15 @@ class SpawnedTrainer:
         return self._call("load_checkpoint", str(ckpt_dir))
 
     def close(self, force: bool = False) -> None:
-        if not force:
-            for c in self._conns:
-                try:
+        atexit.unregister(self.close)
+        for c in self._conns:
+            try:
+                if force:
+                    c.close()  # a rank waiting for a call reads EOF and exits
+                else:
                     c.send(("close", (), {}))
-                except (OSError, BrokenPipeError):
-                    pass
+            except (OSError, BrokenPipeError):
+                pass
         for p in self._procs:
             p.join(timeout=0.5 if force else 10.0)
             if p.is_alive():

@@ -13,7 +13,6 @@ the design's token-mean (never the sum of TIS weights).
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -25,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_bridge import convert, policy_loss, replay
+from megatron_bridge import checkpoint, convert, policy_loss, replay
 from megatron_bridge.batch import (
     MicroBatch,
     TrainSequence,
@@ -476,82 +475,20 @@ class MegatronTrainer:
     # ------------------------------------------------------------------------------------------ checkpoints
 
     def save_checkpoint(self, ckpt_dir: str | os.PathLike) -> Path:
-        """Per-rank model shard, optimizer and scheduler state (reload needs the same parallel layout; for a
-        layout-free copy of the weights use `export_hf_state`)."""
-        d = Path(ckpt_dir)
-        d.mkdir(parents=True, exist_ok=True)
-        rank = dist.get_rank()
-        model = unwrap(self.model)
-        torch.save({"model": {k: v.detach().cpu() for k, v in model.state_dict().items()
-                              if isinstance(v, torch.Tensor)},
-                    "optimizer": [_inner_state(o) for o in self._optimizers()],
-                    "scheduler": self.scheduler.state_dict(),
-                    "step": self.step_count, "version": self.version}, d / f"rank{rank:05d}.pt")
-        if rank == 0:
-            meta = {"world_size": dist.get_world_size(), "parallel": asdict(self.pcfg),
-                    "arch": asdict(self.arch), "model_path": str(self.model_path)}
-            (d / "rollverify_trainer.json").write_text(json.dumps(meta, indent=1) + "\n")
-        dist.barrier()
-        return d
+        """Model, optimizer (fp32 main params and moments) and scheduler in Megatron-Core's distributed
+        checkpoint format (`megatron_bridge.checkpoint`): any parallel layout can load it."""
+        return checkpoint.save(ckpt_dir, self.model, self.optimizer, self.scheduler, arch=self.arch,
+                               parallel=asdict(self.pcfg), model_path=str(self.model_path), step=self.step_count,
+                               version=self.version)
 
     def load_checkpoint(self, ckpt_dir: str | os.PathLike) -> None:
-        d = Path(ckpt_dir)
-        meta = json.loads((d / "rollverify_trainer.json").read_text())
-        if meta["arch"] != asdict(self.arch):
-            diff = {k: (meta["arch"].get(k), v) for k, v in asdict(self.arch).items() if meta["arch"].get(k) != v}
-            raise ValueError(f"checkpoint {d} is of another model ({meta['model_path']}): "
-                             + "; ".join(f"{k} {a} in the checkpoint, {b} here" for k, (a, b) in diff.items()))
-        if meta["world_size"] != dist.get_world_size() or meta["parallel"] != asdict(self.pcfg):
-            raise ValueError(f"checkpoint {d} was written with world size {meta['world_size']} and "
-                             f"{meta['parallel']}; this trainer runs {dist.get_world_size()} / {asdict(self.pcfg)}")
-        rank = dist.get_rank()
-        state = torch.load(d / f"rank{rank:05d}.pt", weights_only=False)
-        model = unwrap(self.model)
-        with torch.no_grad():
-            params = dict(model.named_parameters())
-            for k, v in state["model"].items():
-                if k in params:
-                    params[k].copy_(v)
-        opts = self._optimizers()
-        if len(opts) != len(state["optimizer"]):
-            raise ValueError(f"checkpoint has {len(state['optimizer'])} optimizer parts, this trainer {len(opts)}")
-        for o, saved in zip(opts, state["optimizer"], strict=True):
-            _load_inner_state(o, saved)
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.step_count, self.version = state["step"], state["version"]
-
-    def _optimizers(self) -> list:
-        """The Megatron optimizers (one, or the dense and expert parts of a ChainedOptimizer)."""
-        return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
+        """Load a checkpoint written under any parallel layout; one of another model fails before any tensor
+        is read, naming what differs."""
+        self.step_count, self.version = checkpoint.load(ckpt_dir, self.model, self.optimizer, self.scheduler,
+                                                        arch=self.arch)
 
     def close(self) -> None:
         from megatron_bridge.parallel import destroy_parallel
 
         destroy_parallel()
 
-
-def _inner_state(opt) -> dict:
-    """This rank's optimizer shard: the torch optimizer's state and its (fp32 main) parameters.
-
-    Megatron-Core's own parameter-state save expects its fused Adam's state layout; the torch Adam it falls
-    back to without TE/apex keeps a `step` entry that format drops, so the trainer saves the inner optimizer
-    as torch does, per rank (reload needs the same layout)."""
-    inner = opt.optimizer
-    if inner is None:
-        return {"state": None, "main": []}
-    return {"state": inner.state_dict(),
-            "main": [p.detach().cpu().clone() for g in inner.param_groups for p in g["params"]]}
-
-
-def _load_inner_state(opt, saved: dict) -> None:
-    inner = opt.optimizer
-    if inner is None:
-        return
-    params = [p for g in inner.param_groups for p in g["params"]]
-    if len(params) != len(saved["main"]) or any(p.shape != q.shape for p, q in zip(params, saved["main"],
-                                                                                   strict=True)):
-        raise ValueError("optimizer checkpoint does not match this trainer's parameter shards")
-    with torch.no_grad():  # fp32 main params may be views of the (grad-requiring) model params
-        for p, q in zip(params, saved["main"], strict=True):
-            p.copy_(q)
-    inner.load_state_dict(saved["state"])

@@ -268,6 +268,34 @@ def test_world_size_2_step_equals_single_process_step(layout, moe, tied):
     assert np.abs(lp_after - lp).max() > 1e-3  # the step did move the policy
 
 
+def test_checkpoint_written_at_tp2_loads_at_tp1(tmp_path):
+    """Megatron-Core's distributed checkpoint reshards: weights, the distributed optimizer's fp32 main params and
+    Adam moments, and the schedule written by 2 TP ranks continue in one process as they would have there."""
+    from megatron_bridge.spawned import SpawnedTrainer
+    from megatron_bridge.trainer import TrainerConfig
+
+    seqs = _rl_batch(tiny_path(), shift=0.05)
+    cfg = dict(lr=1e-2, micro_batch_tokens=24)
+    with SpawnedTrainer(tiny_path(), TrainerConfig(tp=2, **cfg), world_size=2, timeout_s=240) as tr:
+        tr.train_step(seqs)
+        lp, ent = tr.compute_logprobs(seqs)
+        tr.save_checkpoint(tmp_path / "ckpt")
+        m_next = tr.train_step(seqs)
+        lp_next, _ = tr.compute_logprobs(seqs)
+    one = _trainer(tiny_path(), **cfg)
+    fresh, _ = one.compute_logprobs(seqs)
+    one.load_checkpoint(tmp_path / "ckpt")
+    lp1, ent1 = one.compute_logprobs(seqs)
+    assert np.abs(lp1 - lp).max() < 1e-5 and np.abs(ent1 - ent).max() < 1e-5
+    assert np.abs(fresh - lp).max() > 1e-3  # the checkpoint, not the HF weights, gave these
+    m1 = one.train_step(seqs)  # Adam's moments and step resharded: the same second step as at TP 2
+    assert m1["step"] == m_next["step"] == 2.0
+    assert m1["loss"] == pytest.approx(m_next["loss"], abs=1e-5)
+    assert m1["grad_norm"] == pytest.approx(m_next["grad_norm"], rel=1e-4)
+    assert np.abs(one.compute_logprobs(seqs)[0] - lp_next).max() < 1e-4
+    one.close()
+
+
 def test_loop_adapter_speaks_rollverify_responses():
     from megatron_bridge.convert import hf_tensor_names
     from megatron_bridge.loop_adapter import LoopTrainer

@@ -1,0 +1,152 @@
+"""Trainer checkpoints in Megatron-Core's distributed checkpoint format, loadable under another parallel layout.
+
+A checkpoint folder holds Megatron-Core's `torch_dist` files (`dist_checkpointing.save`: every rank writes its
+own shards, keyed by the global tensor, so any TP / PP / EP / DP layout can read them back) and
+`rollverify_trainer.json` (the model's architecture, the layout and world size that wrote it, the model path,
+the step). What is saved:
+
+* the model's weights (`GPTModel.sharded_state_dict`: TP shards, fused QKV by query group, SwiGLU halves, experts
+  by global index, layers by global index);
+* the optimizer: the fp32 main parameters and Adam moments in Megatron-Core's `fully_reshardable` format (each
+  tensor the shape of its parameter, so it reshards like the weights; the distributed optimizer gathers its DP
+  shards to do so), and its param groups (step, LR);
+* the LR scheduler, the trainer's step count and weight version (common state, written once).
+
+Loading reads `rollverify_trainer.json` first: a checkpoint of another model fails there, naming each field that
+differs, before any tensor is read. A layout that differs from the writer's is fine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import queue
+from collections.abc import Iterator
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_bridge.model import ModelArch, unwrap
+
+META_FILE = "rollverify_trainer.json"
+FORMAT = "megatron-core dist_checkpointing (torch_dist), optimizer fully_reshardable"
+_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def read_meta(ckpt_dir: str | Path) -> dict[str, Any]:
+    """The checkpoint's description; a clear error when the folder is not a trainer checkpoint of this format."""
+    d = Path(ckpt_dir)
+    f = d / META_FILE
+    if not f.is_file():
+        raise FileNotFoundError(f"{d} is not a trainer checkpoint: it has no {META_FILE}")
+    meta = json.loads(f.read_text())
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{d} is a trainer checkpoint of format {meta.get('format', 'per-rank torch.save')!r}; "
+                         f"this trainer reads {FORMAT!r} (re-export the weights with export_hf_state and start "
+                         f"from them)")
+    return meta
+
+
+def check_model(meta: dict[str, Any], arch: ModelArch, ckpt_dir: str | Path) -> None:
+    """Refuse a checkpoint written for another architecture, naming every field that differs."""
+    here = asdict(arch)
+    saved = meta.get("arch", {})
+    diff = {k: (saved.get(k), v) for k, v in here.items() if saved.get(k) != v}
+    if diff:
+        raise ValueError(f"checkpoint {ckpt_dir} is of another model ({meta.get('model_path')}): "
+                         + "; ".join(f"{k} {a} in the checkpoint, {b} here" for k, (a, b) in diff.items()))
+
+
+def _sharded_state(model, optimizer, is_loading: bool) -> dict[str, Any]:
+    module = unwrap(model)
+    model_state = module.sharded_state_dict(metadata=_SHARDING)
+    return {"model": model_state,
+            "optimizer": optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=_SHARDING)}
+
+
+def save(ckpt_dir: str | Path, model, optimizer, scheduler, *, arch: ModelArch, parallel: dict[str, int],
+         model_path: str, step: int, version: int) -> Path:
+    """Collective: every rank writes its shards into `ckpt_dir` (created), rank 0 the common state and meta."""
+    from megatron.core import dist_checkpointing
+
+    d = Path(ckpt_dir)
+    if dist.get_rank() == 0:
+        d.mkdir(parents=True, exist_ok=True)
+        (d / META_FILE).unlink(missing_ok=True)  # a folder without its meta is never taken for a checkpoint
+    dist.barrier()
+    state = _sharded_state(model, optimizer, is_loading=False)
+    state.update(scheduler=scheduler.state_dict(), step=step, version=version)
+    with _in_process_write_results():
+        dist_checkpointing.save(state, str(d))
+    if dist.get_rank() == 0:
+        meta = {"format": FORMAT, "world_size": dist.get_world_size(), "parallel": parallel, "arch": asdict(arch),
+                "model_path": model_path, "step": step, "version": version}
+        (d / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
+    dist.barrier()
+    return d
+
+
+@contextlib.contextmanager
+def _in_process_write_results() -> Iterator[None]:
+    """Megatron-Core's writer returns a save's write results through a multiprocessing Manager queue (meant for
+    its asynchronous save); the Manager's server process imports torch to unpickle them, 25 s on a loaded CPU
+    machine for each rank's first save. This save is synchronous (results put and read in this process), so a
+    plain in-process queue serves for its duration."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    original = filesystem_async._get_write_results_queue
+    results: queue.Queue = queue.Queue()
+    filesystem_async._get_write_results_queue = lambda: results
+    try:
+        yield
+    finally:
+        filesystem_async._get_write_results_queue = original
+
+
+def load(ckpt_dir: str | Path, model, optimizer, scheduler, *, arch: ModelArch) -> tuple[int, int]:
+    """Collective: load weights, optimizer and scheduler saved under any layout; returns (step, version)."""
+    from megatron.core import dist_checkpointing
+
+    d = Path(ckpt_dir)
+    check_model(read_meta(d), arch, d)
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        _init_state(part)
+    state = _sharded_state(model, optimizer, is_loading=True)
+    loaded = dist_checkpointing.load(state, str(d))
+    unwrap(model).load_state_dict(loaded["model"])
+    optimizer.load_state_dict(loaded["optimizer"])
+    scheduler.load_state_dict(loaded["scheduler"])
+    return int(loaded["step"]), int(loaded["version"])
+
+
+def _init_state(part) -> None:
+    """Give an optimizer that has not stepped yet the state its first step would create, so that Megatron-Core
+    can describe it for loading (the loaded values then replace it; stepping from it equals a fresh step).
+
+    torch's Adam (Megatron-Core's without TE / apex): step 0 and zero moments (its distributed optimizer reads the
+    step from the per-parameter state and asserts there is one). torch's SGD: zero momentum buffers (with no
+    dampening the first step from them equals the first step without them); Megatron-Core has no state
+    initialiser for SGD and calls it unconditionally when loading.
+    """
+    inner = part.optimizer
+    if isinstance(inner, torch.optim.Adam | torch.optim.AdamW) and not inner.state:
+        for p in _params(inner):
+            inner.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                              "exp_avg_sq": torch.zeros_like(p)}
+    if part.init_state_fn is None:
+        part.init_state_fn = _init_sgd_momentum
+
+
+def _init_sgd_momentum(inner, config=None) -> None:
+    if isinstance(inner, torch.optim.SGD):
+        for group in inner.param_groups:
+            if group["momentum"] and not group["dampening"]:
+                for p in group["params"]:
+                    inner.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
+
+
+def _params(inner) -> list:
+    return [p for group in inner.param_groups for p in group["params"]]
