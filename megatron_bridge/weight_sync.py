@@ -1,7 +1,8 @@
 """Weight sync trainer -> engines: HF-named tensors in buckets, tagged with the policy version.
 
 The trainer streams `(hf_name, tensor)` pairs (`MegatronTrainer.iter_hf_tensors`, collective over its ranks);
-`sync` groups them into buckets of about `bucket_bytes` and hands each bucket to a sink on rank 0:
+`sync` groups them into buckets of about `bucket_bytes` and hands each bucket to the sending rank's sink (rank 0
+unless a transport has other ranks send):
 
     sink.begin(version); sink.push(bucket) ...; sink.end(version)
 
@@ -11,10 +12,12 @@ The trainer streams `(hf_name, tensor)` pairs (`MegatronTrainer.iter_hf_tensors`
 * `InMemorySink`: keeps the tensors (tests, in-process engines on CPU);
 * `DiskSink`: writes an HF checkpoint folder (for `update_weights_from_disk`, and the export);
 * `CallableSink`: adapts a plain `fn(bucket, version)`;
-* GPU transports: `ipc_handles(bucket)` serialises CUDA tensors as CUDA IPC handles for a colocated engine
-  (same format torch.multiprocessing uses; the engine rebuilds tensors that alias the trainer's memory), and
-  `BroadcastChannel` is a process group of its own (trainer rank 0 + engine ranks; NCCL on GPU, gloo on CPU,
-  which the tests use) over which each bucket is broadcast from the trainer to disaggregated engines.
+* GPU transports, streamed from the trainer's ranks straight to the servers (sglang_ext/weight_transport.py
+  chooses and drives them): `TransportSink` moves each bucket as one flattened buffer (SGLang's
+  `FlattenedTensorBucket` layout, `flatten_bucket`) with `broadcast_sender` over SGLang's weight-update group
+  (`join_weight_group`: NCCL on GPU, gloo on CPU) or `ipc_sender` as a serialized payload (CUDA IPC handles
+  on GPU, shared memory on CPU), while a `BucketControl` carries the metadata and the commit. `ipc_handles`
+  serialises a bucket for the spawned trainer's pipe (GPU tensors as handles).
 """
 
 from __future__ import annotations
@@ -22,9 +25,11 @@ from __future__ import annotations
 import datetime
 import io
 import json
+import math
 import shutil
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -157,8 +162,9 @@ def sync(tensors: Iterable[tuple[str, torch.Tensor]], sink: WeightSink | Callabl
             sink.push(bucket)
     if is_driver and sink is not None:
         sink.end(version)
+    extra = sink.stats() if isinstance(sink, TransportSink) else {}
     return {"sync_time_s": time.perf_counter() - t0, "sync_bytes": float(n_bytes), "sync_tensors": float(n_tensors),
-            "sync_buckets": float(n_buckets), "version": float(version)}
+            "sync_buckets": float(n_buckets), "version": float(version), **extra}
 
 
 # ---------------------------------------------------------------------------------------------- GPU transports
@@ -185,60 +191,163 @@ def load_ipc_handles(payload: bytes) -> Bucket:
     return pickle.loads(payload)
 
 
-class BroadcastChannel:
-    """A process group of its own between trainer rank 0 (rank 0 here) and engine ranks 1..n-1, independent of
-    the default group: the trainer broadcasts each tensor of a bucket; engines receive into buffers of the
-    announced shapes. Bucket metadata (names, dtypes, shapes) reaches the engines through the control channel
-    (`bucket_meta`), so only tensor bytes travel here."""
+@dataclass(frozen=True)
+class BucketMeta:
+    """What a receiver allocates for one bucket before its bytes arrive: names, dtypes, shapes, in order. The
+    bytes are SGLang's flattened-bucket layout (`sglang.srt.weight_sync.tensor_bucket.FlattenedTensorBucket`):
+    each tensor's bytes, in this order, back to back."""
 
-    def __init__(self, host: str, port: int, world_size: int, rank: int, backend: str | None = None,
-                 timeout_s: float = 300.0) -> None:
-        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        timeout = datetime.timedelta(seconds=timeout_s)
-        self.store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
-        prefix = dist.PrefixStore("rollverify-weights", self.store)
-        if backend == "gloo":
-            self.group = dist.ProcessGroupGloo(prefix, rank, world_size, timeout=timeout)
-        else:
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
-            self.group = dist.ProcessGroupNCCL(prefix, rank, world_size, opts)
-        self.rank, self.world_size, self.backend = rank, world_size, backend
-        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    names: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    nbytes: int
 
-    @staticmethod
-    def bucket_meta(bucket: Bucket) -> list[tuple[str, str, list[int]]]:
-        return [(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in bucket]
+    @classmethod
+    def of(cls, bucket: Bucket) -> BucketMeta:
+        return cls(tuple(n for n, _ in bucket), tuple(str(t.dtype).removeprefix("torch.") for _, t in bucket),
+                   tuple(tuple(t.shape) for _, t in bucket), sum(t.numel() * t.element_size() for _, t in bucket))
 
-    def send(self, bucket: Bucket) -> None:
-        assert self.rank == 0
-        for _, t in bucket:
-            t = t.detach().to(self.device).contiguous()
-            self.group.broadcast(t, 0).wait()
-
-    def receive(self, meta: list[tuple[str, str, list[int]]]) -> Bucket:
-        out: Bucket = []
-        for name, dtype, shape in meta:
-            t = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
-            self.group.broadcast(t, 0).wait()
-            out.append((name, t))
-        return out
+    def as_body(self) -> dict:
+        return {"names": list(self.names), "dtypes": list(self.dtypes), "shapes": [list(s) for s in self.shapes]}
 
 
-class BroadcastSink:
-    """Trainer-side sink for disaggregated engines: announces each bucket through `announce(meta, version)`
-    (the control channel, e.g. the engine's update-weights-from-distributed request) and broadcasts it."""
+def flatten_bucket(bucket: Bucket) -> tuple[torch.Tensor, BucketMeta]:
+    """One uint8 tensor holding the bucket's bytes (on the tensors' device), and its meta. Refuses non-finite
+    values: the receivers load what arrives without looking at it."""
+    bad = [n for n, t in bucket if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        raise ValueError(f"weights {bad[:5]} hold non-finite values (NaN or inf); nothing was sent")
+    flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in bucket])
+    return flat, BucketMeta.of(bucket)
 
-    def __init__(self, channel: BroadcastChannel, announce: Callable[[list, int], None]) -> None:
-        self.channel, self.announce = channel, announce
-        self.version = -1
+
+def join_weight_group(master_addr: str, master_port: int, world_size: int, group_name: str, backend: str,
+                      timeout_s: float) -> dist.ProcessGroup:
+    """Join SGLang's weight-update group as its rank 0 (the source). The group is SGLang's
+    `init_custom_process_group` (sglang/srt/utils/common.py): a tcp:// rendezvous whose store is prefixed with
+    the group name, beside any default group; this builds the same one without importing SGLang. Blocks until
+    every server rank has joined (or `timeout_s`)."""
+    from torch.distributed.distributed_c10d import (
+        Backend,
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+        rendezvous,
+    )
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store, rank, _ = next(rendezvous(f"tcp://{master_addr}:{master_port}", 0, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
+                                      group_name=group_name, backend_options=None, timeout=timeout)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+@runtime_checkable
+class BucketControl(Protocol):
+    """The control side of a transport (messages to the servers; tensor bytes never pass through it).
+
+    `announce` tells every server what bucket `index` holds before its bytes travel and returns without waiting
+    for them; `settle` waits until every server has loaded it. `commit` makes `version` current on every
+    server only after every one has loaded every bucket; `abort` leaves each on its old version."""
+
+    def begin(self, version: int) -> None: ...
+
+    def announce(self, index: int, meta: BucketMeta, payloads: list[bytes] | None = None) -> None: ...
+
+    def settle(self, index: int) -> None: ...
+
+    def commit(self, version: int, buckets: int) -> None: ...
+
+    def abort(self, version: int, reason: str) -> None: ...
+
+    def close(self) -> None: ...
+
+    def control_bytes(self) -> int:
+        """Bytes sent to the servers over the control channel so far (bucket metadata, IPC handles)."""
+        ...
+
+
+class TransportSink:
+    """A `WeightSink` on a source rank that streams buckets straight to the servers: `send(flat, meta)` moves
+    the bytes (a broadcast, or CUDA IPC handles), `control` carries the rest. One bucket is alive at a time (it
+    stays alive until every server has loaded it), so no process ever holds a whole copy of the model."""
+
+    def __init__(self, control: BucketControl, send: Callable[[torch.Tensor, BucketMeta, int], None]) -> None:
+        self.control, self.send = control, send
+        self.version, self.index, self.bytes = -1, 0, 0
 
     def begin(self, version: int) -> None:
-        self.version = version
+        self.version, self.index, self.bytes = version, 0, 0
+        self.control.begin(version)
 
     def push(self, bucket: Bucket) -> None:
-        self.announce(BroadcastChannel.bucket_meta(bucket), self.version)
-        self.channel.send(bucket)
+        try:
+            flat, meta = flatten_bucket(bucket)
+            self.send(flat, meta, self.index)
+            self.control.settle(self.index)
+        except BaseException as e:
+            try:
+                self.control.abort(self.version, f"bucket {self.index}: {type(e).__name__}: {e}")
+            finally:
+                self.control.close()
+            raise
+        self.index += 1
+        self.bytes += meta.nbytes
+
+    def stats(self) -> dict[str, float]:
+        return {"sync_control_bytes": float(self.control.control_bytes())}
 
     def end(self, version: int) -> None:
-        pass
+        try:
+            self.control.commit(version, self.index)
+        except BaseException as e:
+            self.control.abort(version, f"commit: {type(e).__name__}: {e}")
+            raise
+        finally:
+            self.control.close()
+
+
+def broadcast_sender(control: BucketControl, group: dist.ProcessGroup) -> Callable[[torch.Tensor, BucketMeta, int],
+                                                                                  None]:
+    """Disaggregated: announce the bucket (the servers start receiving), then broadcast its bytes from rank 0."""
+
+    def send(flat: torch.Tensor, meta: BucketMeta, index: int) -> None:
+        control.announce(index, meta)
+        dist.broadcast(flat, src=0, group=group)
+
+    return send
+
+
+def ipc_sender(control: BucketControl, tp_size: int) -> Callable[[torch.Tensor, BucketMeta, int], None]:
+    """Colocated: the bucket as SGLang's flattened-bucket payload (`update_weights_from_tensor`,
+    `load_format="flattened_bucket"`), one serialization per server TP rank. A CUDA tensor travels as a CUDA IPC
+    handle (the server maps this rank's memory: no copy); a CPU tensor through torch's shared memory. The tensor
+    stays alive until `settle` returns, that is until the server has loaded it."""
+
+    def send(flat: torch.Tensor, meta: BucketMeta, index: int) -> None:
+        payload = serialize_flattened(flat, meta)
+        control.announce(index, meta, [payload] * tp_size)
+
+    return send
+
+
+def serialize_flattened(flat: torch.Tensor, meta: BucketMeta) -> bytes:
+    """SGLang's payload for one flattened bucket: `{"flattened_tensor", "metadata"}` with its own classes (its
+    unpickler refuses anything else), pickled the way its `MultiprocessingSerializer` does."""
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
+
+    if flat.is_cuda:
+        monkey_patch_torch_reductions()  # device index -> GPU UUID: the server sees other CUDA_VISIBLE_DEVICES
+    else:  # a CPU tensor's pickle names a shared-memory file (a file descriptor cannot travel in bytes)
+        torch.multiprocessing.set_sharing_strategy("file_system")
+    metadata, offset = [], 0
+    for name, dtype, shape in zip(meta.names, meta.dtypes, meta.shapes, strict=True):
+        n = math.prod(shape) * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+        metadata.append(FlattenedTensorMetadata(name=name, shape=torch.Size(shape), dtype=getattr(torch, dtype),
+                                                start_idx=offset, end_idx=offset + n, numel=n))
+        offset += n
+    return MultiprocessingSerializer.serialize({"flattened_tensor": flat, "metadata": metadata})
