@@ -69,6 +69,10 @@ class RolloutEngine(Protocol):
     def update_weights(self, buckets: Iterator[list[tuple[str, object]]], version: int) -> None:
         """Load the new policy's HF-named tensors, bucket by bucket; later tokens record `version`."""
 
+    def lost(self) -> list[str]:
+        """Ids the engine stopped holding since the last call because their server was lost (what it generated
+        since their last report is gone); the loop resubmits the unfinished ones from its buffer."""
+
 
 class Trainer(Protocol):
     """The policy being trained."""

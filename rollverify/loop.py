@@ -168,6 +168,7 @@ class Loop:
         phase = None if carries_over else self._on_policy_groups()
         runnable = [r for r in buffer.pending() if phase is None or r.group_id in phase]
         # after a restore, a lost server or a switch the engine no longer holds some unfinished responses
+        resubmitted = self._resubmit_lost(phase)
         self._submit([r for r in runnable if r.response_id not in self.on_engine])
         launched_now = 0
         last_progress = time.monotonic()
@@ -178,6 +179,7 @@ class Loop:
                     phase.append(group_id)
                 launched_now += 1
             done = self._record(self.engine.wait_finished(cfg.wait_s))
+            resubmitted += self._resubmit_lost(phase)
             if done:
                 last_progress = time.monotonic()
             if phase is None and buffer.num_finished >= cfg.batch_groups:
@@ -203,6 +205,7 @@ class Loop:
             "decode_iters": self._longest_chunk,
             "n_launched_groups": launched_now,
             "n_paused": len(paused),
+            "n_resubmitted": resubmitted,
         }
 
     def _on_policy_groups(self) -> list[int]:
@@ -226,6 +229,15 @@ class Loop:
         self.ledger.launched += group.n
         self._submit(group.responses)
         return group.group_id
+
+    def _resubmit_lost(self, phase: list[int] | None) -> int:
+        """Ids the engine lost with a server leave `on_engine`; the unfinished ones this phase runs go back to it
+        from the buffer (the others wait off the engines, like any response the engine does not hold)."""
+        lost = [rid for rid in self.engine.lost() if rid in self.on_engine]
+        self.on_engine.difference_update(lost)
+        again = [r for r in map(self.buffer.get, lost) if not r.finished and (phase is None or r.group_id in phase)]
+        self._submit(again)
+        return len(again)
 
     def _submit(self, responses: Sequence[Response]) -> None:
         if responses:

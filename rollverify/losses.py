@@ -48,25 +48,10 @@ def grpo_advantages(rewards: Tensor, use_std: bool = True, eps: float = 1e-6) ->
     return (r - mean) / (std + eps) if use_std else r - mean
 
 
-def expand_to_tokens(values: Tensor, lengths: Tensor) -> Tensor:
-    """Per-response values [R] -> per-token [N] for packed responses of the given lengths."""
-    return torch.repeat_interleave(values, lengths.to(values.device))
-
-
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     """Mean of x over mask (0 when the mask is empty)."""
     m = mask.to(x.dtype)
     return (x * m).sum() / m.sum().clamp(min=1)
-
-
-def entropy_from_logits(logits: Tensor) -> Tensor:
-    """Entropy of softmax(logits) over the last dim: H = logsumexp(z) - sum softmax(z) z (float32).
-
-    Logits of -inf (masked vocabulary) have probability 0 and add nothing.
-    """
-    z = logits.to(_compute_dtype(logits))
-    p = torch.softmax(z, -1)
-    return torch.logsumexp(z, -1) - (p * torch.where(p > 0, z, 0.0)).sum(-1)
 
 
 def aggregate(loss: Tensor, valid: Tensor, mode: str, global_count: int | None = None) -> Tensor:

@@ -83,7 +83,7 @@ def start_engine(cfg: RunConfig, model_path: Path, log_dir: Path):
             s.stop()
         raise
     return SGLangRolloutEngine(
-        [s.endpoint for s in servers], servers=servers, relaunch=launch, timeout_s=r.server_timeout_s
+        [s.endpoint for s in servers], processes=servers, relaunch=launch, timeout_s=r.server_timeout_s
     )
 
 

@@ -381,10 +381,11 @@ Count = Annotated[int, Field(ge=0, le=INT32_MAX)]
 Rid = Annotated[str, Field(min_length=1, max_length=MAX_RID_CHARS)]
 
 
-class SamplingParams(_Body):
-    """What the engine samples with. Log-probs are of log_softmax(logits / temperature); temperature 0 is
-    greedy decoding and reports log_softmax(logits) (temperature 1). top_p/top_k/min_p truncate sampling but
-    the reported log-prob stays that of the untruncated tempered distribution (keep them off for RL)."""
+class WireSamplingParams(_Body):
+    """What the engine samples with, as the channel carries it (the loop's `rollverify.interfaces.SamplingParams`
+    is a subset). Log-probs are of log_softmax(logits / temperature); temperature 0 is greedy decoding and reports
+    log_softmax(logits) (temperature 1). top_p/top_k/min_p truncate sampling but the reported log-prob stays that
+    of the untruncated tempered distribution (keep them off for RL)."""
 
     temperature: float = Field(1.0, ge=0.0, le=TEMPERATURE_MAX, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
@@ -414,7 +415,7 @@ class SubmitItem(_Body):
     prompt_len: int = Field(ge=1, le=INT32_MAX)
     prefix_len: Count = 0
     max_new_tokens: int = Field(ge=1, le=INT32_MAX)  # budget of the whole response, prefix included
-    sampling: SamplingParams | None = None  # overrides the message's
+    sampling: WireSamplingParams | None = None  # overrides the message's
 
 
 class SubmitBody(_Body):
@@ -423,7 +424,7 @@ class SubmitBody(_Body):
     optional prompt_routed_experts [sum(prompt_len - 1), layers, top_k]."""
 
     items: list[SubmitItem] = Field(max_length=MAX_ITEMS)
-    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    sampling: WireSamplingParams = Field(default_factory=WireSamplingParams)
     expect_version: Version | None = None
 
 
@@ -621,60 +622,109 @@ def _cat(parts: list[np.ndarray], dtype) -> np.ndarray:
 ROUTE_DTYPES = ("uint8", "int16", "int32")
 
 
-def decode_outputs(msg: Message) -> list[Output]:
-    """Inverse of encode_outputs; arrays are copies owned by the caller (the frames may be reused)."""
-    rids = msg.body.get("rids", [])
-    r = len(rids)
-    offsets = msg.array("offsets", ["int32"], 1)
-    counts = msg.array("counts", ["int32"], 1)
-    totals = msg.array("totals", ["int32"], 1)
-    seqs = msg.array("seqs", ["int64"], 1, required=False)
-    ids = msg.array("token_ids", ["int32"], 1)
-    lps = msg.array("logprobs", ["float32"], 1)
-    vers = msg.array("versions", ["int32"], 1)
-    routes = msg.array("routed_experts", ROUTE_DTYPES, 3, required=False)
-    prows = msg.array("prompt_route_rows", ["int32"], 1, required=False)
-    proutes = msg.array("prompt_routed_experts", ROUTE_DTYPES, 3, required=False)
-    finish = msg.body.get("finish") or [None] * r
-    errors = msg.body.get("errors", {})
-    stops = msg.body.get("matched_stop", {})
-    total = int(counts.sum()) if r else 0
-    sizes_ok = len(offsets) == len(counts) == len(totals) == len(finish) == r and (
-        seqs is None or len(seqs) == r
-    )
-    if (
-        not sizes_ok
-        or not (len(ids) == len(lps) == len(vers) == total)
-        or (routes is not None and len(routes) != total)
-    ):
-        raise ProtocolError(ErrorCode.MALFORMED, "output buffers do not match the item counts")
-    out: list[Output] = []
-    pos = ppos = 0
-    for i, rid in enumerate(rids):
-        n = int(counts[i])
-        sl = slice(pos, pos + n)
-        pr = None
-        if prows is not None and proutes is not None and prows[i] >= 0:
-            pr = proutes[ppos : ppos + int(prows[i])].copy()
-            ppos += int(prows[i])
-        out.append(
-            Output(
-                rid=rid,
-                offset=int(offsets[i]),
-                token_ids=ids[sl].copy(),
-                logprobs=lps[sl].copy(),
-                versions=vers[sl].copy(),
-                total_len=int(totals[i]),
-                finish_reason=finish[i],
-                routed_experts=None if routes is None else routes[sl].copy(),
-                prompt_routed_experts=pr,
-                seq=None if seqs is None or seqs[i] < 0 else int(seqs[i]),
-                error=errors.get(str(i)),
-                matched_stop=stops.get(str(i)),
-            )
+@dataclass
+class OutputBatch:
+    """An output batch as the controller reads it: every entry's per-token arrays end to end, as they travel.
+
+    Entry `i` holds tokens `offsets[i] ..` of response `rids[i]`, stored at `bounds[i]:bounds[i + 1]` of
+    `token_ids`, `logprobs`, `versions` and `routed_experts`. Decoding copies each buffer once, whatever the
+    number of entries (the frames belong to the socket); nothing is done per entry but reading the JSON lists.
+    """
+
+    rids: list[str]
+    offsets: np.ndarray  # int32 [R]: index of the entry's first token in its response
+    bounds: np.ndarray  # int64 [R + 1]: the entry's rows in the per-token arrays
+    totals: np.ndarray  # int32 [R]: the response's length after the entry
+    token_ids: np.ndarray  # int32 [N]
+    logprobs: np.ndarray  # float32 [N]
+    versions: np.ndarray  # int32 [N]
+    routed_experts: np.ndarray | None  # [N, layers, top_k]
+    finish: list[str | None]  # per entry: stop | length | error, None while live
+    seqs: np.ndarray | None = None  # int64 [R], events only (-1: none)
+    prompt_routes: dict[int, np.ndarray] = field(default_factory=dict)  # entry -> [prompt_len - 1, L, K]
+    errors: dict[int, str] = field(default_factory=dict)
+    matched_stop: dict[int, int] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.rids)
+
+    @property
+    def counts(self) -> np.ndarray:
+        return np.diff(self.bounds)
+
+    @classmethod
+    def decode(cls, msg: Message) -> OutputBatch:
+        """Inverse of encode_outputs; MALFORMED when the buffers do not match the entries."""
+        rids = msg.body.get("rids", [])
+        r = len(rids)
+        offsets = msg.array("offsets", ["int32"], 1)
+        counts = msg.array("counts", ["int32"], 1)
+        totals = msg.array("totals", ["int32"], 1)
+        seqs = msg.array("seqs", ["int64"], 1, required=False)
+        ids = msg.array("token_ids", ["int32"], 1)
+        lps = msg.array("logprobs", ["float32"], 1)
+        vers = msg.array("versions", ["int32"], 1)
+        routes = msg.array("routed_experts", ROUTE_DTYPES, 3, required=False)
+        prows = msg.array("prompt_route_rows", ["int32"], 1, required=False)
+        proutes = msg.array("prompt_routed_experts", ROUTE_DTYPES, 3, required=False)
+        finish = msg.body.get("finish") or [None] * r
+        bounds = np.zeros(r + 1, np.int64)
+        np.cumsum(counts, out=bounds[1:])
+        total = int(bounds[-1])
+        sizes_ok = len(offsets) == len(counts) == len(totals) == len(finish) == r and (
+            seqs is None or len(seqs) == r
         )
-        pos += n
-    return out
+        if (
+            not sizes_ok
+            or not (len(ids) == len(lps) == len(vers) == total)
+            or (routes is not None and len(routes) != total)
+            or (prows is not None and (len(prows) != r or proutes is None))
+        ):
+            raise ProtocolError(ErrorCode.MALFORMED, "output buffers do not match the item counts")
+        prompt_routes: dict[int, np.ndarray] = {}
+        if prows is not None and proutes is not None:
+            ends = np.cumsum(np.maximum(prows, 0))
+            if ends[-1:].sum() != len(proutes):
+                raise ProtocolError(ErrorCode.MALFORMED, "prompt_routed_experts do not match prompt_route_rows")
+            for i in np.flatnonzero(prows >= 0).tolist():  # first deltas only: a few per batch
+                prompt_routes[i] = proutes[ends[i] - prows[i] : ends[i]].copy()
+        return cls(
+            rids=rids,
+            offsets=offsets.copy(),
+            bounds=bounds,
+            totals=totals.copy(),
+            token_ids=ids.copy(),
+            logprobs=lps.copy(),
+            versions=vers.copy(),
+            routed_experts=None if routes is None else routes.copy(),
+            finish=finish,
+            seqs=None if seqs is None else seqs.copy(),
+            prompt_routes=prompt_routes,
+            errors={int(k): v for k, v in msg.body.get("errors", {}).items()},
+            matched_stop={int(k): v for k, v in msg.body.get("matched_stop", {}).items()},
+        )
+
+    def output(self, i: int) -> Output:
+        """Entry `i` as an Output whose arrays are views into this batch."""
+        sl = slice(int(self.bounds[i]), int(self.bounds[i + 1]))
+        seq = None if self.seqs is None or self.seqs[i] < 0 else int(self.seqs[i])
+        return Output(
+            rid=self.rids[i],
+            offset=int(self.offsets[i]),
+            token_ids=self.token_ids[sl],
+            logprobs=self.logprobs[sl],
+            versions=self.versions[sl],
+            total_len=int(self.totals[i]),
+            finish_reason=self.finish[i],
+            routed_experts=None if self.routed_experts is None else self.routed_experts[sl],
+            prompt_routed_experts=self.prompt_routes.get(i),
+            seq=seq,
+            error=self.errors.get(i),
+            matched_stop=self.matched_stop.get(i),
+        )
+
+    def outputs(self) -> list[Output]:
+        return [self.output(i) for i in range(len(self))]
 
 
 def route_dtype(num_experts: int) -> np.dtype:

@@ -1,54 +1,51 @@
 """`SGLangRolloutEngine`: the loop's `RolloutEngine` over one or several control servers.
 
-A thin translation between rollverify's data model (`Response`, `Chunk`) and the control client's
-(`SubmitRequest`, `Output`). It also owns server faults. A server is dead when its process exits (servers this
-object launched: a watchdog notices within a second and fails the calls in flight) or when it stops answering
-for the client's `timeout_s` (servers someone else runs). A dead server this object launched is restarted,
-given the current policy's weights, and paused if the others are; one it did not launch is abandoned. Either
-way the unfinished responses it held are resubmitted from what the controller recorded at the last pause or
-finish, so only the tokens generated since then are regenerated and the loop's accounting is untouched.
+The loop's `RolloutBuffer` is the controller's one copy of every response. This engine keeps only what routing
+needs: which server holds which response id. It spreads submitted responses over the servers (a GRPO group stays
+on one server, so its shared prompt hits the prefix cache), fans pause, truncate, resume, drop and weight updates
+out to them, and hands the loop their outputs: each reply's per-token arrays decoded once, each response's
+`Chunk` a view into them.
+
+Calls are synchronous; the connections, their event feeds and the processes are a `ServerPool` (one private I/O
+thread for the asyncio ZMQ sockets).
+
+Faults. A server is lost when its process exits (a server this engine launched: the watchdog closes its
+connection within half a second, so calls in flight fail at once) or when it leaves a request unanswered for
+`timeout_s`. A lost server this engine launched is restarted, given the current policy's weights and paused if
+the others are; one it did not launch is abandoned. Either way the engine forgets the ids the server held and
+`lost()` hands them to the loop, which resubmits the unfinished ones from its buffer: only the tokens generated
+since their last pause or finish are generated again.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+import time
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from rollverify.interfaces import Chunk, SamplingParams
 from rollverify.types import Response
-from sglang_ext.client import ControlError, SubmitRequest, SyncRolloutClient
-from sglang_ext.protocol import Output
-from sglang_ext.protocol import SamplingParams as WireSampling
+from sglang_ext.client import UNAVAILABLE, ControlError, CurveKeys, SubmitRequest
+from sglang_ext.pool import ServerPool, ServerSlot, gather
+from sglang_ext.protocol import OutputBatch, WireSamplingParams
 
 log = logging.getLogger(__name__)
 
 
-def _chunk(out: Output) -> Chunk:
-    return Chunk(
-        response_id=out.rid,
-        token_ids=np.asarray(out.token_ids, np.int32),
-        logprobs=np.asarray(out.logprobs, np.float32),
-        versions=np.asarray(out.versions, np.int64),
-        routed_experts=out.routed_experts,
-        finish_reason=out.finish_reason,
-        prompt_routed_experts=out.prompt_routed_experts,
-        error=out.error,
-    )
-
-
-def _wire(s: SamplingParams) -> WireSampling:
-    return WireSampling(
+def _wire(s: SamplingParams | WireSamplingParams) -> WireSamplingParams:
+    """The loop's sampling settings on the wire; the wire's own full set (ignore_eos, seeds) passes as it is."""
+    if isinstance(s, WireSamplingParams):
+        return s
+    return WireSamplingParams(
         temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, stop_token_ids=list(s.stop_token_ids) or None
     )
 
 
 def _request(r: Response) -> SubmitRequest:
-    """Prompt plus the kept prefix with what the controller knows of it (log-probs, versions, routes)."""
+    """Prompt plus the kept prefix with what the buffer holds of it (log-probs, versions, routes)."""
     return SubmitRequest(
         rid=r.response_id,
         prompt_ids=r.prompt_ids,
@@ -63,81 +60,113 @@ def _request(r: Response) -> SubmitRequest:
 
 
 class SGLangRolloutEngine:
-    """RolloutEngine over `SyncRolloutClient`.
+    """RolloutEngine over control servers.
 
-    `servers`: the ServerProcess handles of the endpoints this object launched (same order); `relaunch(i)`
-    starts a replacement for server i; `weight_source()` yields the current policy's weight buckets, pushed to
-    a restarted server (which loads the original checkpoint) before it gets any response.
+    `processes`: the ServerProcess handles of the endpoints this engine launched (same order); `relaunch(i)`
+    starts a replacement for server i; `weight_source()` yields the current policy's weight buckets, pushed to a
+    restarted server (which loads the original checkpoint) before it gets any response.
     """
 
     def __init__(
         self,
         endpoints: Sequence[str],
         *,
-        servers: Sequence[Any] = (),
+        processes: Sequence[Any] = (),
         relaunch: Callable[[int], Any] | None = None,
         weight_source: Callable[[], Iterator[list[tuple[str, Any]]]] | None = None,
-        **client_kwargs: Any,
+        curve: CurveKeys | Sequence[CurveKeys | None] | None = None,
+        timeout_s: float = 300.0,
+        poll_wait_s: float = 1.0,
     ) -> None:
-        self.client = SyncRolloutClient(list(endpoints), **client_kwargs)
-        self.servers = list(servers)
-        self.relaunch = relaunch
         self.weight_source = weight_source
         self.version = 0  # the last policy version pushed
         self.paused = False
-        self.faults: list[dict[str, Any]] = []  # one record per recovered server
-        self._unrestartable: set[int] = set()  # launched servers whose restart failed: not tried again
-        self._held: list[Output] = []  # training outputs that arrived while evaluating
-        self._stop = threading.Event()
-        self._lock = threading.Lock()  # the watchdog never judges a slot while it is being restarted
-        self._watchdog = threading.Thread(target=self._watch, name="rollout-watchdog", daemon=True)
-        if self.servers:
-            self._watchdog.start()
+        self.faults: list[dict[str, Any]] = []  # one record per lost server
+        self.last_pause: list[dict] = []  # each server's last pause reply body (timings)
+        self.where: dict[str, ServerSlot] = {}  # response id -> the server slot that holds it
+        self._lost: list[str] = []  # ids of lost servers the loop has not collected yet
+        self._held: list[Chunk] = []  # training outputs that arrived while evaluating
+        self.pool = ServerPool(endpoints, processes=processes, relaunch=relaunch, curve=curve, timeout_s=timeout_s,
+                               poll_wait_s=poll_wait_s)
 
     # --- RolloutEngine -----------------------------------------------------------------------------------
 
-    def submit(self, responses: Sequence[Response], sampling: SamplingParams) -> None:
-        self._guard(lambda: self.client.submit([_request(r) for r in responses], _wire(sampling)))
+    def submit(self, responses: Sequence[Response], sampling: SamplingParams | WireSamplingParams) -> None:
+        self._check_servers()
+        self._submit([_request(r) for r in responses], _wire(sampling))
 
     def wait_finished(self, timeout: float) -> list[Chunk]:
-        outs, self._held = self._held + self.client.finished_nowait(), []
-        if not outs and timeout > 0:
-            try:
-                outs = [self.client.next_finished(timeout)]
-            except TimeoutError:
-                outs = []
-            outs += self.client.finished_nowait()
+        chunks, self._held = self._held, []
+        chunks += self._take_events(0.0 if chunks else timeout)
         self._check_servers()
-        return [_chunk(o) for o in outs]
+        return chunks
 
     def pause(self) -> list[Chunk]:
-        deltas = self._guard(self.client.pause)  # a retry pauses the rest and returns every delta
+        """Pause every running server; their deltas, and once it returns every response that finished before
+        the pause is on the event queue. A server lost meanwhile loses its deltas (`lost()` names its ids)."""
+        self._check_servers()
         self.paused = True
-        return [_chunk(o) for o in deltas.values()]
+        results = self.pool.fan({s: s.conn.pause() for s in self.pool.alive() if not s.paused})
+        self.last_pause, chunks, barrier = [], [], []
+        t0 = time.perf_counter()
+        for s, (batch, body) in self._settle(results).items():
+            s.paused = True
+            self.last_pause.append(body)
+            chunks += self._chunks(s, batch)
+            barrier.append(s.feed.wait_seq(body["event_seq"]))
+        t1 = time.perf_counter()
+        self.pool.run(gather(barrier))
+        for body in self.last_pause:
+            body.update(client_chunks_s=t1 - t0, client_await_events_s=time.perf_counter() - t1)
+        return chunks
 
     def truncate(self, keep: dict[str, int]) -> None:
-        self._guard(lambda: self.client.truncate(keep))
+        self._check_servers()
+        plan: dict[ServerSlot, dict[str, int]] = {}
+        for rid, k in keep.items():
+            s = self._holder(rid)
+            if s is not None:
+                plan.setdefault(s, {})[rid] = int(k)
+        self._settle(self.pool.fan({s: s.conn.truncate(p) for s, p in plan.items()}))
 
     def drop(self, response_ids: Iterable[str]) -> None:
-        self._guard(lambda: self.client.drop(list(response_ids)))
+        self._check_servers()
+        plan: dict[ServerSlot, list[str]] = {}
+        for rid in response_ids:
+            s = self._holder(rid)
+            if s is None:
+                self._lost.remove(rid)  # forgotten by the loop before it collected the loss
+                continue
+            plan.setdefault(s, []).append(rid)
+            del self.where[rid]
+            s.rids.discard(rid)
+        self._settle(self.pool.fan({s: s.conn.drop(r) for s, r in plan.items() if s.alive}))
 
     def resume(self) -> None:
+        self._check_servers()
         if self.paused:
-            self._guard(self.client.resume)
+            results = self.pool.fan({s: s.conn.resume() for s in self.pool.alive() if s.paused})
+            for s in self._settle(results):
+                s.paused = False
             self.paused = False
 
     def update_weights(self, buckets: Iterator[list[tuple[str, Any]]], version: int) -> None:
         self._check_servers()
         try:
-            self.client.update_weights(buckets, version)
+            self._push(buckets, version, self.pool.alive())
         except ControlError as e:
             # the bucket stream is spent: after recovery every server gets the whole policy again
             if not (self._check_servers() and self.weight_source is not None):
                 raise RuntimeError(f"rollout engine: {e}") from e
-            self.client.update_weights(self.weight_source(), version)
+            self._push(self.weight_source(), version, self.pool.alive())
         self.version = version
 
-    # --- evaluation and lifecycle ------------------------------------------------------------------------
+    def lost(self) -> list[str]:
+        """Ids the engine stopped holding since the last call because their server was lost."""
+        ids, self._lost = self._lost, []
+        return ids
+
+    # --- evaluation, queries and lifecycle ---------------------------------------------------------------
 
     def generate(self, prompts: Sequence[np.ndarray], max_new_tokens: int, sampling: SamplingParams,
                  tag: str) -> list[np.ndarray]:
@@ -147,107 +176,161 @@ class SGLangRolloutEngine:
         the next rollout phase (same weights either way), and whatever of theirs finishes meanwhile is kept
         for the next `wait_finished`.
         """
-        reqs = [_request(Response(-1, i, p, max_new_tokens)) for i, p in enumerate(prompts)]
-        for q in reqs:
-            q.rid, q.group = f"{tag}-{q.rid}", None
+        reqs = {f"{tag}-{i}": SubmitRequest(f"{tag}-{i}", p, max_new_tokens) for i, p in enumerate(prompts)}
+        wire = _wire(sampling)
         self.resume()
-        self._guard(lambda: self.client.submit(reqs, _wire(sampling)))
-        want = {q.rid for q in reqs}
+        self._submit(list(reqs.values()), wire)
         got: dict[str, np.ndarray] = {}
-        while want - got.keys():
-            try:
-                outs = [self.client.next_finished(1.0)] + self.client.finished_nowait()
-            except TimeoutError:
-                outs = []
-            for out in outs:
-                if out.rid in want:
-                    got[out.rid] = np.asarray(self.client.responses[out.rid].token_ids)
+        while reqs.keys() - got.keys():
+            for c in self._take_events(1.0):
+                if c.response_id in reqs:
+                    got[c.response_id] = c.token_ids.copy()  # a fresh response's only delta is its whole output
                 else:
-                    self._held.append(out)
+                    self._held.append(c)
             self._check_servers()
-        self._guard(lambda: self.client.drop(sorted(want)))
-        return [got[q.rid] for q in reqs]
+            again = [reqs[rid] for rid in self._lost if rid in reqs]
+            if again:  # evaluation responses of a lost server: this call still holds their prompts
+                self._lost = [rid for rid in self._lost if rid not in reqs]
+                self._submit(again, wire)
+        self.drop(sorted(reqs))
+        return [got[rid] for rid in reqs]
 
     def reset(self) -> None:
         """Forget whatever the servers hold from an earlier run and leave them generating (not paused)."""
-        for st in self.client.servers:
-            self.client._run(st.conn.drop(all=True))
-            if st.paused:
-                self.client._run(st.conn.resume())
-                st.paused = False
+        for s in self.pool.alive():
+            self.pool.run(s.conn.drop(all=True))
+            if s.paused:
+                self.pool.run(s.conn.resume())
+                s.paused = False
         self.paused = False
 
+    def health(self) -> list[dict]:
+        return [self._query(s, s.conn.health(timeout_s=10.0)) for s in self.pool.servers]
+
+    def stats(self, engine: bool = False) -> list[dict]:
+        return [self._query(s, s.conn.stats(engine)) for s in self.pool.servers]
+
     def close(self, shutdown: bool = True) -> None:
-        self._stop.set()
-        with contextlib.suppress(Exception):
-            if shutdown:
-                self.client.shutdown()
-            self.client.close()
-        for s in self.servers:
-            with contextlib.suppress(Exception):
-                s.stop()
+        """Close the connections (after a shutdown command to each server when `shutdown`) and stop the
+        processes this engine launched."""
+        self.pool.close(shutdown)
+
+    def __enter__(self) -> SGLangRolloutEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close(shutdown=False)
+
+    # --- routing -----------------------------------------------------------------------------------------
+
+    def _settle(self, results: dict[ServerSlot, Any]) -> dict[ServerSlot, Any]:
+        """The successful results. A server that failed is recovered if it is lost (its ids go to `lost()`);
+        any other failure is raised."""
+        failed = {s: r for s, r in results.items() if isinstance(r, BaseException)}
+        for s, e in failed.items():
+            if not isinstance(e, ControlError):
+                raise e
+            if e.code == UNAVAILABLE:
+                s.alive = False  # no reply within timeout_s, or the watchdog closed its connection
+        if failed and not self._check_servers():
+            raise RuntimeError(f"rollout engine: {next(iter(failed.values()))}") from next(iter(failed.values()))
+        return {s: r for s, r in results.items() if s not in failed}
+
+    def _holder(self, rid: str) -> ServerSlot | None:
+        """The slot that holds `rid`; None when its server was lost and the loop has not collected it yet."""
+        s = self.where.get(rid)
+        if s is None and rid not in self._lost:
+            raise KeyError(f"response {rid!r} is not on the rollout engine (never submitted, or dropped)")
+        return s
+
+    def _submit(self, reqs: list[SubmitRequest], sampling: WireSamplingParams) -> None:
+        """Whole groups to the least-loaded alive server, all-or-nothing per server; what a lost server did
+        not take goes to the others."""
+        dup = [q.rid for q in reqs if q.rid in self.where]
+        if dup:
+            raise ValueError(f"response id(s) already on the rollout engine: {dup[:10]}")
+        while reqs:
+            groups: dict[str, list[SubmitRequest]] = {}
+            for q in reqs:
+                groups.setdefault(q.group if q.group is not None else f"\0{q.rid}", []).append(q)
+            load = {s: len(s.rids) for s in self.pool.alive()}
+            plan: dict[ServerSlot, list[SubmitRequest]] = {}
+            for members in groups.values():
+                target = min(load, key=lambda s: (load[s], s.index))
+                plan.setdefault(target, []).extend(members)
+                load[target] += len(members)
+            done = self._settle(self.pool.fan({s: s.conn.submit(qs, sampling) for s, qs in plan.items()}))
+            for s in done:
+                for q in plan[s]:
+                    self.where[q.rid] = s
+                    s.rids.add(q.rid)
+            reqs = [q for s, qs in plan.items() if s not in done for q in qs]
+
+    def _take_events(self, timeout: float) -> list[Chunk]:
+        return [c for s, batch in self.pool.take_events(timeout) for c in self._chunks(s, batch)]
+
+    def _chunks(self, s: ServerSlot, batch: OutputBatch) -> list[Chunk]:
+        """One Chunk per entry that `s` still holds (an event of a dropped response, or of a lost server's
+        slot, is not the loop's any more), as views into the batch's arrays."""
+        where = self.where
+        versions = batch.versions.astype(np.int64)
+        routes = None if batch.routed_experts is None else batch.routed_experts.astype(np.int32)
+        bounds = batch.bounds.tolist()
+        chunks = []
+        for i, rid in enumerate(batch.rids):
+            if where.get(rid) is not s:
+                continue
+            a, b = bounds[i], bounds[i + 1]
+            chunks.append(Chunk(rid, batch.token_ids[a:b], batch.logprobs[a:b], versions[a:b],
+                                None if routes is None else routes[a:b], batch.finish[i],
+                                batch.prompt_routes.get(i), batch.errors.get(i)))
+        return chunks
+
+    def _push(self, buckets: Iterable[Iterable[tuple[str, Any]]], version: int, servers: list[ServerSlot]) -> None:
+        """Stream (hf_name, tensor) buckets to `servers`; one bucket of look-ahead marks the last, which commits.
+        A server applies nothing unless every bucket it received was valid."""
+        it = iter(buckets)
+        current = next(it, None)
+        if current is None:
+            raise ValueError("update_weights needs at least one bucket")
+        i = 0
+        while current is not None:
+            following = next(it, None)
+            bucket = list(current)
+            commit = following is None
+            self.pool.run(gather([s.conn.update_weights(bucket, version, bucket=i, commit=commit) for s in servers]))
+            current, i = following, i + 1
+
+    def _query(self, s: ServerSlot, coro: Coroutine) -> dict:
+        if not s.alive:
+            coro.close()
+            return {"ok": False, "endpoint": s.conn.endpoint, "alive": False}
+        try:
+            return {"endpoint": s.conn.endpoint, **self.pool.run(coro)}
+        except ControlError as e:
+            return {"ok": False, "endpoint": s.conn.endpoint, "error": str(e)}
 
     # --- faults ------------------------------------------------------------------------------------------
 
-    def _guard(self, call):
-        self._check_servers()
-        try:
-            return call()
-        except ControlError as e:
-            if self._check_servers():
-                return call()
-            raise RuntimeError(f"rollout engine: {e}") from e
-
-    def _watch(self) -> None:
-        """Mark a launched server dead as soon as its process exits: pending calls to it fail at once
-        instead of waiting for the client's timeout."""
-        while not self._stop.wait(0.5):
-            with self._lock:
-                for i, sp in enumerate(self.servers):
-                    if self.client.servers[i].alive and sp.proc.poll() is not None:
-                        log.error("server %d (pid %d) exited with code %s", i, sp.pid, sp.proc.returncode)
-                        with contextlib.suppress(Exception):
-                            self.client.mark_dead(i)
-
     def _check_servers(self) -> bool:
-        """Recover every dead server that held work (or that can be restarted); True when one was recovered."""
-        recovered = False
-        for st in self.client.servers:
-            i = st.index
-            launched = i < len(self.servers)
-            if st.alive and launched and self.servers[i].proc.poll() is not None:
-                self.client.mark_dead(i)  # exited before the watchdog looked
-            restart = launched and self.relaunch is not None and i not in self._unrestartable
-            if st.alive or not (restart or st.rids or st.live):
-                continue
-            moved = self.client.orphans(i)
-            if restart:
-                try:
-                    self._restart(i)
-                except Exception as e:
-                    if not any(s.alive for s in self.client.servers):
-                        raise RuntimeError(f"rollout server {i} died and could not be restarted: {e}") from e
-                    log.error("server %d could not be restarted (%s); its responses go to the others", i, e)
-                    self._unrestartable.add(i)
-                    restart = False
-            if moved:
-                self.client.submit([tr.as_submit() for tr in moved])
-            self.faults.append({"server": i, "restarted": restart, "resubmitted": [tr.rid for tr in moved],
+        """Recover every lost server that held responses or can be restarted: its ids go to `lost()`, a
+        restarted one gets the current policy and is paused if the others are. True when one was recovered."""
+        lost = self.pool.lost()
+        for s in lost:
+            held = sorted(s.rids)
+            for rid in held:
+                del self.where[rid]
+            s.rids.clear()
+            self._lost += held
+            new = self.pool.replace(s)
+            if new is not None:
+                if self.weight_source is not None:
+                    self._push(self.weight_source(), self.version, [new])
+                if self.paused and not new.paused:
+                    self.pool.run(new.conn.pause())
+                    new.paused = True
+            self.faults.append({"server": s.index, "restarted": new is not None, "lost": held,
                                 "version": self.version})
-            log.warning("server %d lost: %s, %d unfinished responses resubmitted", i,
-                        "restarted" if restart else "abandoned", len(moved))
-            recovered = True
-        return recovered
-
-    def _restart(self, i: int) -> None:
-        with self._lock:
-            with contextlib.suppress(Exception):
-                self.servers[i].stop(timeout_s=5.0)  # reap what is left of the old process tree
-            self.servers[i] = self.relaunch(i)
-            self.client.reconnect(i, self.servers[i].endpoint)
-        if self.weight_source is not None:
-            self.client.update_weights(self.weight_source(), self.version, servers=[i])
-        if self.paused:
-            st = self.client.servers[i]
-            self.client._run(st.conn.pause())
-            st.paused = True
+            log.warning("server %d lost: %s, %d responses to resubmit", s.index,
+                        "restarted" if new is not None else "abandoned", len(held))
+        return bool(lost)

@@ -6,7 +6,7 @@ marks what the controller already holds, so every generated token is delivered e
 
 Each engine request's output is kept as one segment and joined only when needed (a launch, a truncation,
 a fetch): the delta a pause or a finish reports is normally the last segment itself, so reporting copies
-nothing. At 1024 responses per pause this is a measurable share of the channel's own time.
+nothing, and `pack_deltas` concatenates a whole pause's deltas into the reply's arrays in one pass per column.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from sglang_ext.protocol import Output, SamplingParams
+from sglang_ext.protocol import Output, WireSamplingParams
 
 
 class State(StrEnum):
@@ -43,7 +43,7 @@ class Record:
     rid: str
     prompt: np.ndarray  # int32 [prompt_len]
     max_new_tokens: int  # budget of the whole response, prefix included
-    sampling: SamplingParams
+    sampling: WireSamplingParams
     route_shape: RouteShape | None = None
     sampling_args: dict[str, Any] = field(default_factory=dict)  # SGLang sampling params, shared per submit
     segments: list[Segment] = field(default_factory=list)
@@ -182,9 +182,72 @@ class Record:
             self.prompt_routes_reported = True
         return out
 
+    def take_columns(self) -> tuple[Segment, np.ndarray | None]:
+        """`take_delta` without the Output: the unseen columns and the prompt routes not yet reported."""
+        seg = self._tail(self.reported)
+        self.reported = self.n
+        prompt_routes = None
+        if self.prompt_routes is not None and not self.prompt_routes_reported:
+            prompt_routes, self.prompt_routes_reported = self.prompt_routes, True
+        return seg, prompt_routes
+
     def snapshot(self) -> Output:
         """The whole cached response (fetch); changes nothing."""
         return self._output(0, self.prompt_routes is not None, None)
+
+
+def pack_deltas(records: list[Record], route_shape: RouteShape | None) -> tuple[dict, dict[str, np.ndarray]]:
+    """Every record's output since its last report, marked reported, as one output batch (the layout of
+    `protocol.encode_outputs`): per-token columns concatenated once straight from the records' segments, the
+    per-response integers from one list each. Per record it only reads its tail segment (normally its last one,
+    no copy); nothing per token runs in Python."""
+    rids, offsets, totals, finish = [], [], [], []
+    ids, lps, vers, routes = [], [], [], []
+    prompt_rows, prompt_routes = [], []
+    for rec in records:
+        rids.append(rec.rid)
+        offsets.append(rec.reported)
+        totals.append(rec.n)
+        finish.append(rec.finish_reason if rec.state is State.FINISHED else None)
+        (i, lp, v, ro), pr = rec.take_columns()
+        ids.append(i)
+        lps.append(lp)
+        vers.append(v)
+        routes.append(ro)
+        prompt_rows.append(-1 if pr is None else len(pr))
+        if pr is not None:
+            prompt_routes.append(pr)
+    body: dict[str, Any] = {"rids": rids}
+    if any(f is not None for f in finish):
+        body["finish"] = finish
+        errors = {str(k): r.error for k, r in enumerate(records) if r.error is not None}
+        stops = {str(k): r.matched_stop for k, r in enumerate(records) if r.matched_stop is not None}
+        if errors:
+            body["errors"] = errors
+        if stops:
+            body["matched_stop"] = stops
+    offs = np.array(offsets, np.int32)
+    tots = np.array(totals, np.int32)
+    arrays: dict[str, np.ndarray] = {
+        "offsets": offs,
+        "counts": tots - offs,
+        "totals": tots,
+        "token_ids": _cat(ids, np.int32),
+        "logprobs": _cat(lps, np.float32),
+        "versions": _cat(vers, np.int32),
+    }
+    if route_shape is not None:
+        arrays["routed_experts"] = (
+            np.concatenate(routes) if routes else np.zeros((0, route_shape.layers, route_shape.top_k), route_shape.dtype)
+        )
+    if prompt_routes:
+        arrays["prompt_route_rows"] = np.array(prompt_rows, np.int32)
+        arrays["prompt_routed_experts"] = np.concatenate(prompt_routes)
+    return body, arrays
+
+
+def _cat(parts: list[np.ndarray], dtype) -> np.ndarray:
+    return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
 
 
 def _join(parts: list[Segment], rs: RouteShape | None, skip: int) -> Segment:
@@ -206,7 +269,7 @@ def new_record(
     prompt: np.ndarray,
     prefix: np.ndarray,
     max_new_tokens: int,
-    sampling: SamplingParams,
+    sampling: WireSamplingParams,
     route_shape: RouteShape | None,
     prefix_logprobs: np.ndarray | None = None,
     prefix_versions: np.ndarray | None = None,

@@ -15,6 +15,7 @@ import contextlib
 import functools
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,10 +40,123 @@ class Served:
     def endpoint(self) -> str:
         return self.proc.endpoint
 
-    def client(self, **kwargs):
-        from sglang_ext.client import RolloutClient
+    def client(self, **kwargs) -> Mirror:
+        return Mirror(self.endpoint, curve=self.curve, **kwargs)
 
-        return RolloutClient([self.endpoint], curve=self.curve, **kwargs)
+
+@dataclass
+class Tracked:
+    """A test's copy of one response: its prompt and every delta received, in order."""
+
+    rid: str
+    prompt_ids: np.ndarray
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    routed_experts: np.ndarray | None = None
+    prompt_routed_experts: np.ndarray | None = None
+    finish_reason: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def apply(self, out) -> None:
+        assert out.offset == len(self.token_ids), f"{self.rid}: delta at {out.offset}, held {len(self.token_ids)}"
+        self.token_ids = np.concatenate([self.token_ids, out.token_ids])
+        self.logprobs = np.concatenate([self.logprobs, out.logprobs])
+        self.versions = np.concatenate([self.versions, out.versions])
+        if out.routed_experts is not None:
+            old = self.routed_experts
+            self.routed_experts = out.routed_experts if old is None else np.concatenate([old, out.routed_experts])
+        if out.prompt_routed_experts is not None:
+            self.prompt_routed_experts = out.prompt_routed_experts
+        self.finish_reason = out.finish_reason
+
+    def truncate(self, keep: int) -> None:
+        if keep < len(self.token_ids):
+            self.finish_reason = None
+        self.token_ids, self.logprobs, self.versions = self.token_ids[:keep], self.logprobs[:keep], self.versions[:keep]
+        if self.routed_experts is not None:
+            self.routed_experts = self.routed_experts[:keep]
+
+
+class Mirror:
+    """A test's controller over one server's connection: each response assembled from pause replies and finish
+    events (offsets checked), as the loop's buffer assembles them through the rollout engine. Events are polled
+    when the test waits for a finish and at the pause barrier."""
+
+    def __init__(self, endpoint: str, curve: Any = None, poll_wait_s: float = 0.2) -> None:
+        self.endpoint, self.curve, self.poll_wait_s = endpoint, curve, poll_wait_s
+        self.responses: dict[str, Tracked] = {}
+        self.finished_queue: list = []
+        self.last_seq = 0
+
+    async def __aenter__(self) -> Mirror:
+        from sglang_ext.client import ServerConnection
+
+        self.conn = await ServerConnection(self.endpoint, curve=self.curve, timeout_s=120).start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.conn.close()
+
+    async def submit(self, reqs, sampling=None) -> None:
+        await self.conn.submit(reqs, sampling)
+        for q in reqs:
+            empty = np.zeros(0, np.int32)
+            self.responses[q.rid] = Tracked(q.rid, np.asarray(q.prompt_ids, np.int32), empty,
+                                            np.zeros(0, np.float32), empty)
+
+    async def _poll(self, wait_s: float) -> None:
+        batch, server_seq = await self.conn.events(self.last_seq, wait_s)
+        for out in batch.outputs():
+            if out.rid in self.responses:
+                self.responses[out.rid].apply(out)
+                self.finished_queue.append(out)
+        if len(batch):
+            self.last_seq = int(batch.seqs[-1])
+        self.last_seq = max(self.last_seq, server_seq)
+
+    async def pause(self) -> dict:
+        batch, body = await self.conn.pause()
+        deltas = {}
+        for out in batch.outputs():
+            self.responses[out.rid].apply(out)
+            deltas[out.rid] = out
+        while self.last_seq < body["event_seq"]:  # every finish before the pause is with us once it returns
+            await self._poll(0.0)
+        return deltas
+
+    async def next_finished(self, timeout_s: float):
+        deadline = time.monotonic() + timeout_s
+        while not self.finished_queue:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no response finished within {timeout_s} s")
+            await self._poll(self.poll_wait_s)
+        return self.finished_queue.pop(0)
+
+    async def truncate(self, keep: dict[str, int]) -> None:
+        await self.conn.truncate(keep)
+        for rid, k in keep.items():
+            self.responses[rid].truncate(k)
+
+    async def resume(self) -> None:
+        await self.conn.resume()
+
+    async def update_weights(self, buckets, version: int) -> None:
+        buckets = list(buckets)
+        for i, b in enumerate(buckets):
+            await self.conn.update_weights(b, version, bucket=i, commit=i == len(buckets) - 1)
+
+    async def update_weights_from_disk(self, path, version: int) -> None:
+        await self.conn.update_weights_from_disk(path, version)
+
+    async def health(self) -> dict:
+        return await self.conn.health()
+
+    async def shutdown(self) -> dict:
+        return await self.conn.shutdown()
 
 
 class _Registry:

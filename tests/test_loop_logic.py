@@ -33,6 +33,7 @@ class ScriptedEngine:
         self.paused = False
         self.version = 0
         self.updates = []
+        self.lost_ids: list[str] = []  # forgotten as a lost server would be, handed out by lost()
 
     def _target(self, budget: int) -> int:
         return int(min(budget, 1 + self.rng.pareto(1.2) * 6))
@@ -93,6 +94,10 @@ class ScriptedEngine:
         list(buckets)
         self.version = version
         self.updates.append(version)
+
+    def lost(self):
+        lost, self.lost_ids = self.lost_ids, []
+        return lost
 
 
 class ScriptedTrainer:
@@ -220,6 +225,40 @@ def test_restore_continues_from_the_buffer():
     m = fresh.run_step().metrics
     assert m["step"] == 4 and fresh.version == 4
     fresh.ledger.check(fresh.buffer)
+
+
+@pytest.mark.parametrize("mode", ["partial", "rollverify", "on_policy"])
+def test_a_lost_server_s_responses_are_resubmitted_from_the_buffer(mode):
+    """The engine forgets half its responses mid-rollout (their output since the last report is gone), as when a
+    server is lost: the loop resubmits the unfinished ones from its buffer, prefix intact, and the accounting
+    invariant holds through later steps."""
+    loop, engine, _ = make_loop(mode, drift=0.001)
+    loop.run_step()
+    wait_finished, seen = engine.wait_finished, {}
+
+    def lose_half(timeout):
+        if not seen:
+            gone = sorted(engine.tracked)[::2]
+            seen.update(prefixes={rid: loop.buffer.get(rid).num_tokens for rid in gone})
+            for rid in gone:
+                del engine.tracked[rid]
+            engine.lost_ids = gone
+        return wait_finished(timeout)
+
+    submit, resubmitted = engine.submit, {}
+
+    def record_submit(responses, sampling):
+        lost = seen.get("prefixes", {})
+        resubmitted.update({r.response_id: r.num_tokens for r in responses if r.response_id in lost})
+        return submit(responses, sampling)
+
+    engine.wait_finished, engine.submit = lose_half, record_submit
+    m = loop.run_step().metrics  # Ledger.check runs inside
+    engine.wait_finished, engine.submit = wait_finished, submit
+    assert 0 < m["n_resubmitted"] == len(resubmitted) <= len(seen["prefixes"])
+    assert all(n == seen["prefixes"][rid] for rid, n in resubmitted.items())  # from the prefix the buffer held
+    for _ in range(3):
+        loop.run_step()
 
 
 class SeededEngine(ScriptedEngine):

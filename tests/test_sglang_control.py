@@ -13,16 +13,12 @@ import zmq
 import zmq.asyncio
 from engine_fixtures import hf_forward, reset_server, run, same_routes
 
+from rollverify.buffer import RolloutBuffer
 from rollverify.tiny_model import TinyModelSpec, ensure_tiny_model
-from sglang_ext.client import (
-    ControlError,
-    CurveKeys,
-    RolloutClient,
-    ServerConnection,
-    SubmitRequest,
-    _encode_submit,
-)
-from sglang_ext.protocol import ErrorCode, decode
+from rollverify.types import Group, Response
+from sglang_ext.client import ControlError, CurveKeys, ServerConnection, SubmitRequest, _encode_submit
+from sglang_ext.protocol import ErrorCode, WireSamplingParams, decode
+from sglang_ext.rollout_engine import SGLangRolloutEngine
 
 pytest_plugins = ["engine_fixtures"]  # the session servers, shared with the other sglang_ext tests
 pytestmark = pytest.mark.engine
@@ -35,7 +31,7 @@ def served(request):
     return request.getfixturevalue(f"{request.param}_server")
 
 
-async def progress(c: RolloutClient, min_tokens: int, timeout_s: float = 60.0) -> None:
+async def progress(c, min_tokens: int, timeout_s: float = 60.0) -> None:
     """Let the engine run until every live response holds at least `min_tokens`, pausing to look: first after
     20 ms, then at doubling intervals (up to 0.4 s), so a fast machine stops early instead of finishing them."""
     wait, deadline = 0.02, time.monotonic() + timeout_s
@@ -74,8 +70,8 @@ def test_pause_returns_partial_outputs_equal_to_hf(served):
             assert all(d.offset == 0 for d in deltas.values())
             await c.resume()
             await progress(c, 4)  # several more pause/resume rounds: partial outputs accumulate
-            outs, _ = await c.servers[0].conn.fetch()
-            for o in outs:
+            outs, _ = await c.conn.fetch()
+            for o in outs.outputs():
                 tr = c.responses[o.rid]
                 assert 4 <= len(tr.token_ids) < 400 and tr.finish_reason is None
                 assert np.array_equal(o.token_ids, tr.token_ids) and np.array_equal(o.logprobs, tr.logprobs)
@@ -144,7 +140,7 @@ def test_weight_update_changes_later_logprobs_and_versions(dense_server):
             assert all(k < 120 for k in before.values()), f"the scenario needs live responses: {before}"
             await c.update_weights(_buckets(new_model), version=1)  # three buckets, the last commits
             h = await c.health()
-            assert h[0]["version"] == 1
+            assert h["version"] == 1
             await c.resume()
             for _ in reqs:
                 await c.next_finished(120)
@@ -191,8 +187,8 @@ def test_routed_experts_keep_their_length_through_cycles(moe_server):
                     if not tr.finished
                 }
                 await c.truncate(keep)
-                outs, _ = await c.servers[0].conn.fetch()
-                for o in outs:
+                outs, _ = await c.conn.fetch()
+                for o in outs.outputs():
                     tr = c.responses[o.rid]
                     assert (
                         len(o.routed_experts)
@@ -217,95 +213,90 @@ def test_routed_experts_keep_their_length_through_cycles(moe_server):
 
 
 def test_200_responses_through_5_cycles_exact_accounting(dense_server, moe_server):
-    """Both servers in one client: nothing lost, nothing duplicated, server and controller agree exactly."""
+    """Both servers behind one rollout engine, the loop's buffer as the controller's copy: nothing lost, nothing
+    duplicated, server caches and buffer agree exactly."""
     rng = random.Random(0)
     servers = [dense_server, moe_server]
+    for s in servers:
+        run(reset_server(s))
+    buffer = RolloutBuffer()
+    for g in range(50):
+        prompt = [rng.randrange(4, 128) for _ in range(rng.randint(2, 9))]
+        buffer.add_group(Group(g, prompt, 4, [Response(g, i, prompt, rng.randint(8, 48)) for i in range(4)]))
+    responses = [r for g in buffer.groups.values() for r in g.responses]
+    delivered = cut = revived = 0
+    finishes: dict[str, int] = {}
 
-    async def main():
-        for s in servers:
-            await reset_server(s)
-        stats0 = []
-        c = RolloutClient([s.endpoint for s in servers], curve=[s.curve for s in servers], poll_wait_s=0.2)
-        async with c:
-            for st in await c.stats():
-                stats0.append(st["tokens_generated"])
-            mine: dict[str, list[int]] = {}  # independent copy built from deltas and cuts only
-            delivered = cut = 0
-            finishes: dict[str, int] = {}
+    def take(chunks):
+        nonlocal delivered
+        for c in chunks:
+            buffer.record(c.response_id, c.token_ids, c.logprobs, c.versions, c.routed_experts,
+                          finish_reason=c.finish_reason)  # checks lengths and the budget
+            delivered += len(c.token_ids)
+            if c.finish_reason is not None:
+                finishes[c.response_id] = finishes.get(c.response_id, 0) + 1
+        return chunks
 
-            def take(out):
-                nonlocal delivered
-                assert out.offset == len(mine[out.rid]), out.rid
-                mine[out.rid].extend(out.token_ids.tolist())
-                delivered += len(out.token_ids)
+    def fetch(s):
+        async def main():
+            conn = await ServerConnection(s.endpoint, curve=s.curve, timeout_s=60).start()
+            try:
+                return await conn.fetch()
+            finally:
+                await conn.close()
 
-            def on_finished(out):
-                take(out)
-                finishes[out.rid] = finishes.get(out.rid, 0) + 1
+        return run(main())
 
-            c.on_finished = on_finished
-            reqs = []
-            for g in range(50):
-                prompt = [rng.randrange(4, 128) for _ in range(rng.randint(2, 9))]
-                for i in range(4):
-                    reqs.append(SubmitRequest(f"{g}-{i}", prompt, rng.randint(8, 48), group=str(g)))
-            for r in reqs:
-                mine[r.rid] = []
-            await c.submit(reqs, {"temperature": 1.0})
-            assert {c.responses[r.rid].server for r in reqs} == {0, 1}
-            revived = 0
-            for cycle in range(5):
-                await asyncio.sleep(0.3)
-                while sum(finishes.values()) < 8 * (cycle + 1):  # some finish each cycle: revivals below
-                    await c.next_finished(120)
-                deltas = await c.pause()
-                for d in deltas.values():
-                    assert not d.finished and finishes.get(d.rid, 0) == 0, d.rid  # live: not finished before
-                    take(d)
-                keep = {}
-                for rid, tr in c.responses.items():
-                    n = len(tr.token_ids)
-                    if not tr.finished and rng.random() < 0.5:
-                        keep[rid] = rng.randint(0, n)
-                    elif tr.finished and rng.random() < 0.1 and n > 1:
-                        keep[rid] = n - 1  # a finished response cut short lives again
-                        revived += 1
-                        finishes[rid] -= 1
-                for rid, k in keep.items():
-                    cut += len(mine[rid]) - k
-                    del mine[rid][k:]
-                await c.truncate(keep)
-                for s in c.servers:
-                    outs, body = await s.conn.fetch()
-                    assert len(outs) == len(s.rids)
-                    for o, state in zip(outs, body["states"], strict=True):
-                        tr = c.responses[o.rid]
-                        assert o.token_ids.tolist() == mine[o.rid] == tr.token_ids.tolist()
-                        assert np.array_equal(o.logprobs, tr.logprobs) and np.array_equal(
-                            o.versions, tr.versions
-                        )
-                        assert (state == "finished") == tr.finished
-                await c.resume()
-            while sum(finishes.values()) < len(reqs):
-                await c.next_finished(120)
-            await asyncio.sleep(0.3)
-            assert all(v == 1 for v in finishes.values()) and len(finishes) == len(reqs)
-            generated = sum(st["tokens_generated"] for st in await c.stats()) - sum(stats0)
-            assert generated == delivered, "every generated token reached the controller exactly once"
-            assert delivered - cut == sum(len(v) for v in mine.values())
-            for r in reqs:
-                tr = c.responses[r.rid]
-                assert tr.token_ids.tolist() == mine[r.rid]
-                assert len(tr.logprobs) == len(tr.versions) == len(tr.token_ids) <= r.max_new_tokens
-                assert (tr.finish_reason == "length") == (
-                    len(tr.token_ids) == r.max_new_tokens
-                ) or tr.token_ids[-1] == 1
-                assert np.isfinite(tr.logprobs).all() and (tr.logprobs <= 0).all()
-            assert revived > 0
-            await c.drop([r.rid for r in reqs])
-            assert all(st["live"] == 0 and st["finished"] == 0 for st in await c.stats())
-
-    run(main(), 400)
+    with SGLangRolloutEngine([s.endpoint for s in servers], curve=[s.curve for s in servers],
+                             poll_wait_s=0.2) as engine:
+        stats0 = [st["tokens_generated"] for st in engine.stats()]
+        engine.submit(responses, WireSamplingParams(temperature=1.0))
+        assert {s.index for s in engine.where.values()} == {0, 1}
+        for cycle in range(5):
+            time.sleep(0.3)
+            deadline = time.monotonic() + 120
+            while sum(finishes.values()) < 8 * (cycle + 1):  # some finish each cycle: revivals below
+                assert time.monotonic() < deadline
+                take(engine.wait_finished(1.0))
+            for c in take(engine.pause()):
+                assert c.finish_reason is None and finishes.get(c.response_id, 0) == 0, c.response_id
+            take(engine.wait_finished(0.0))
+            keep = {}
+            for r in responses:
+                if not r.finished and rng.random() < 0.5:
+                    keep[r.response_id] = rng.randint(0, r.num_tokens)
+                elif r.finished and rng.random() < 0.1 and r.num_tokens > 1:
+                    keep[r.response_id] = r.num_tokens - 1  # a finished response cut short lives again
+                    revived += 1
+                    finishes[r.response_id] -= 1
+            cut += buffer.apply_truncation(keep)
+            engine.truncate(keep)
+            for i, s in enumerate(servers):
+                batch, body = fetch(s)
+                assert len(batch) == sum(1 for x in engine.where.values() if x.index == i)
+                for o, state in zip(batch.outputs(), body["states"], strict=True):
+                    r = buffer.get(o.rid)
+                    assert np.array_equal(o.token_ids, r.token_ids) and np.array_equal(o.logprobs, r.logprobs)
+                    assert np.array_equal(o.versions, r.versions)
+                    assert (state == "finished") == r.finished
+            engine.resume()
+        deadline = time.monotonic() + 120
+        while sum(finishes.values()) < len(responses):
+            assert time.monotonic() < deadline
+            take(engine.wait_finished(1.0))
+        time.sleep(0.3)
+        take(engine.wait_finished(0.0))
+        assert all(v == 1 for v in finishes.values()) and len(finishes) == len(responses)
+        generated = sum(st["tokens_generated"] for st in engine.stats()) - sum(stats0)
+        assert generated == delivered, "every generated token reached the controller exactly once"
+        assert delivered - cut == sum(r.num_tokens for r in responses)
+        for r in responses:
+            assert len(r.logprobs) == len(r.versions) == r.num_tokens <= r.max_new_tokens
+            assert (r.finish_reason == "length") == (r.num_tokens == r.max_new_tokens) or r.token_ids[-1] == 1
+            assert np.isfinite(r.logprobs).all() and (r.logprobs <= 0).all()
+        assert revived > 0
+        engine.drop([r.response_id for r in responses])
+        assert all(st["live"] == 0 and st["finished"] == 0 for st in engine.stats())
 
 
 # ---------------------------------------------------------------------------------------------- bad input
@@ -343,7 +334,7 @@ def test_bad_input_gets_a_named_error_and_changes_nothing(dense_server):
             )
             await asyncio.sleep(0.3)
             await conn.pause()
-            before, _ = await conn.fetch()
+            before = (await conn.fetch())[0].outputs()
             assert sum(len(o.token_ids) for o in before) > 0
 
             async def err(code, words, coro):
@@ -447,7 +438,7 @@ def test_bad_input_gets_a_named_error_and_changes_nothing(dense_server):
             # still serving, old weights, the cache untouched (bar what the resume above generated)
             health = await conn.health()
             assert health["ok"] and health["version"] == 0
-            after, _ = await conn.fetch()
+            after = (await conn.fetch())[0].outputs()
             for a, b in zip(before, after, strict=True):
                 n = len(a.token_ids)
                 assert np.array_equal(a.token_ids, b.token_ids[:n]) and np.array_equal(
@@ -460,7 +451,7 @@ def test_bad_input_gets_a_named_error_and_changes_nothing(dense_server):
             after_seq = (await conn.stats())["last_seq"] - 1
             while not outs:
                 outs, _ = await conn.events(after=after_seq, wait_s=2.0)
-                outs = [o for o in outs if o.rid == "check"]
+                outs = [o for o in outs.outputs() if o.rid == "check"]
             lp, _ = hf_forward(served.model, np.array([40, 41, 42]), outs[0].token_ids)
             assert np.abs(lp - outs[0].logprobs).max() <= TOL and (outs[0].versions == 0).all()
         finally:

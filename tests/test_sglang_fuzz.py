@@ -24,7 +24,7 @@ import torch  # noqa: F401  (the fake server's first weight update would otherwi
 import zmq
 from engine_fixtures import FakeEngine, FakeServer, reset_server, run
 
-from sglang_ext.protocol import PROTOCOL_VERSION, ErrorCode, decode, decode_outputs
+from sglang_ext.protocol import PROTOCOL_VERSION, ErrorCode, OutputBatch, decode
 
 pytest_plugins = ["engine_fixtures"]  # the session servers, shared with the other sglang_ext tests
 
@@ -90,7 +90,7 @@ class Wire:
         assert self.sock.poll(self.timeout_ms), f"no reply to {typ}"
         msg = decode(self.sock.recv_multipart())
         assert msg.header.ok and msg.header.id == rid, msg.header
-        return decode_outputs(msg), msg.body
+        return OutputBatch.decode(msg).outputs(), msg.body
 
 
 def submit_buffers(prompts: list[list[int]], dtype=np.int32) -> list[tuple[str, np.ndarray]]:

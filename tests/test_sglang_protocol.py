@@ -3,31 +3,35 @@ bookkeeping on a fake engine (accounting across pause/truncate/resume, crash rec
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
 import struct
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 from engine_fixtures import FakeEngine, FakeServer, run
 
-from sglang_ext.client import DETACHED, ControlError, RolloutClient, ServerConnection, SubmitRequest
+from rollverify.buffer import RolloutBuffer
+from rollverify.types import Group
+from sglang_ext.client import ControlError, ServerConnection, SubmitRequest
 from sglang_ext.engine import ModelFolderError, inspect_model_folder
 from sglang_ext.protocol import (
     PROTOCOL_VERSION,
     ErrorCode,
     Header,
     Output,
+    OutputBatch,
     ProtocolError,
+    WireSamplingParams,
     decode,
-    decode_outputs,
     encode,
     encode_outputs,
     error_header,
 )
+from sglang_ext.rollout_engine import SGLangRolloutEngine
 from sglang_ext.server import ServeConfig, ServeConfigError, check_config, check_endpoint
 from sglang_ext.store import RouteShape, State, new_record
 
@@ -135,7 +139,7 @@ def test_outputs_pack_into_constant_frames():
     # header + per-item ints (offsets, counts, totals, seqs, prompt route rows) + per-token arrays (ids,
     # log-probs, versions, routes, prompt routes): the same number of frames whatever the count
     assert len(frames) == 1 + 10
-    back = decode_outputs(decode(frames))
+    back = OutputBatch.decode(decode(frames)).outputs()
     for a, b in zip(outs, back, strict=True):
         assert (a.rid, a.offset, a.total_len, a.finish_reason, a.seq) == (
             b.rid,
@@ -150,10 +154,8 @@ def test_outputs_pack_into_constant_frames():
 
 
 def test_record_cuts_all_fields_together_and_reports_each_token_once():
-    from sglang_ext.protocol import SamplingParams
-
     rs = RouteShape(2, 2, np.dtype(np.uint8))
-    rec = new_record("a", np.array([1, 2, 3]), np.array([9, 9]), 20, SamplingParams(), rs)
+    rec = new_record("a", np.array([1, 2, 3]), np.array([9, 9]), 20, WireSamplingParams(), rs)
     assert rec.reported == 2 and len(rec.routes) == 2  # the prefix is the controller's already
     rec.append(
         np.array([4, 5, 6], np.int32), np.array([-1, -2, -3], np.float32), 3, np.ones((3, 2, 2), np.int32)
@@ -257,106 +259,136 @@ def test_serve_refuses_open_address_without_keys(tmp_path, tiny_dense_path):
 # ---------------------------------------------------------------------------------------------- fake engine
 
 
+IGNORE_EOS = WireSamplingParams(ignore_eos=True)
+
+
+class Recorder:
+    """What the loop does with the engine's chunks: append them to the buffer (the one controller copy, which
+    checks lengths and budgets), counting finishes."""
+
+    def __init__(self, buffer: RolloutBuffer) -> None:
+        self.buffer = buffer
+        self.finished: dict[str, int] = {}  # response id -> its length when it finished
+
+    def take(self, chunks) -> list:
+        for c in chunks:
+            r = self.buffer.get(c.response_id)
+            assert c.finish_reason is None or c.response_id not in self.finished, f"{c.response_id} finished twice"
+            if c.prompt_routed_experts is not None and r.prompt_routed_experts is None:
+                r.prompt_routed_experts = c.prompt_routed_experts
+            self.buffer.record(c.response_id, c.token_ids, c.logprobs, c.versions, c.routed_experts,
+                               finish_reason=c.finish_reason)
+            if r.finished:
+                self.finished[c.response_id] = r.num_tokens
+        return list(chunks)
+
+    def wait(self, engine, count: int, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while len(self.finished) < count:
+            assert time.monotonic() < deadline, f"{len(self.finished)} of {count} finished"
+            self.take(engine.wait_finished(0.2))
+
+
+def fetch(endpoint: str):
+    """Every response the server caches, over a connection of its own."""
+
+    async def main():
+        conn = await ServerConnection(endpoint, timeout_s=10).start()
+        try:
+            return (await conn.fetch())[0]
+        finally:
+            await conn.close()
+
+    return run(main(), 30)
+
+
+def same_as_server(buffer: RolloutBuffer, endpoint: str) -> int:
+    batch = fetch(endpoint)
+    for i, o in enumerate(batch.outputs()):
+        r = buffer.get(o.rid)
+        assert np.array_equal(o.token_ids, r.token_ids) and np.array_equal(o.logprobs, r.logprobs), o.rid
+        assert np.array_equal(o.versions, r.versions) and np.array_equal(o.routed_experts, r.routed_experts)
+        assert (batch.finish[i] is not None) == r.finished
+    return len(batch)
+
+
 def test_fake_accounting_through_cycles_and_server_crash():
-    """Two servers, 60 responses, 4 pause/truncate/resume cycles, then one server dies and its responses move:
-    every response finishes exactly once and its tokens are exactly what the deltas delivered."""
-    random.seed(0)
-    engines = [FakeEngine(step_s=0.003), FakeEngine(step_s=0.003)]
-    s0, s1 = FakeServer(engines[0]), FakeServer(engines[1])
+    """Two servers, 60 responses, 4 pause/truncate/resume cycles, then one server dies: the engine names what it
+    held and the buffer resubmits its unfinished responses. Every response finishes exactly once, its tokens
+    exactly what the chunks delivered, and the servers' caches equal the buffer after every cut."""
+    rng = random.Random(0)
+    s0, s1 = FakeServer(FakeEngine(step_s=0.003)), FakeServer(FakeEngine(step_s=0.003))
     try:
-
-        async def main():
-            async with RolloutClient([s0.endpoint, s1.endpoint], poll_wait_s=0.2) as c:
-                reqs = [
-                    SubmitRequest(
-                        f"g{i // 4}-{i % 4}",
-                        [3, 4, 5 + i % 7],
-                        max_new_tokens=random.randint(20, 60),
-                        group=f"g{i // 4}",
-                    )
-                    for i in range(60)
-                ]
-                await c.submit(reqs, {"ignore_eos": True})
-                assert {c.responses[f"g0-{j}"].server for j in range(4)} == {
-                    c.responses["g0-0"].server
-                }  # a group stays together
-                finished: dict[str, int] = {}
-
-                def on_fin(out):
-                    assert out.rid not in finished
-                    finished[out.rid] = out.total_len
-
-                c.on_finished = on_fin
-                for cycle in range(4):
-                    await asyncio.sleep(0.05)
-                    deltas = await c.pause()
-                    assert not set(deltas) & set(finished)
-                    keep = {rid: random.randint(0, len(c.responses[rid].token_ids)) for rid in deltas}
-                    await c.truncate(keep)
-                    for srv in c.servers:
-                        outs, body = await srv.conn.fetch()
-                        for o in outs:
-                            tr = c.responses[o.rid]
-                            assert np.array_equal(o.token_ids, tr.token_ids) and np.array_equal(
-                                o.logprobs, tr.logprobs
-                            )
-                            assert np.array_equal(o.routed_experts, tr.routed_experts)
-                    await c.resume()
-                    del cycle
-                # server 1 "crashes" mid-generation: what it generated since its last report is lost, nothing else
-                await asyncio.sleep(0.03)
-                s1.crash()
-                held = {
-                    rid: len(tr.token_ids)
-                    for rid, tr in c.responses.items()
-                    if tr.server == 1 and not tr.finished
-                }
-                moved = await c.recover(1)
-                assert set(moved) == set(held) and moved
-                assert all(
-                    c.responses[r].server == 0 and len(c.responses[r].token_ids) == held[r] for r in moved
-                )
-                while len(finished) < 60:
-                    await c.next_finished(30)
-                for r in reqs:
-                    tr = c.responses[r.rid]
-                    assert finished[r.rid] == len(tr.token_ids) == r.max_new_tokens
-                    assert len(tr.logprobs) == len(tr.versions) == len(tr.routed_experts) == len(tr.token_ids)
-                    assert tr.prompt_routed_experts.shape == (2, 2, 2)
-
-        run(main(), 120)
+        with SGLangRolloutEngine([s0.endpoint, s1.endpoint], timeout_s=2.0, poll_wait_s=0.2) as engine:
+            buffer = RolloutBuffer()
+            for g in range(15):
+                buffer.add_group(Group.new(g, [3, 4, 5 + g % 7], 4, rng.randint(100, 300)))
+            rec = Recorder(buffer)
+            engine.submit(buffer.pending(), IGNORE_EOS)
+            assert {engine.where[f"0-{j}"] for j in range(4)} == {engine.where["0-0"]}  # a group stays together
+            assert {s.index for s in engine.where.values()} == {0, 1}
+            for _ in range(4):
+                time.sleep(0.05)
+                rec.take(engine.wait_finished(0.0))
+                deltas = rec.take(engine.pause())
+                assert all(c.finish_reason is None for c in deltas)
+                rec.take(engine.wait_finished(0.0))  # finished before the pause: delivered by now
+                keep = {c.response_id: rng.randint(0, buffer.get(c.response_id).num_tokens) for c in deltas}
+                buffer.apply_truncation(keep)
+                engine.truncate(keep)
+                assert sum(same_as_server(buffer, s.endpoint) for s in (s0, s1)) == 60
+                engine.resume()
+            # server 1 "crashes" mid-generation: what it generated since its last report is lost, nothing else
+            time.sleep(0.03)
+            s1.crash()
+            held = {r.response_id: r.num_tokens for r in buffer.pending()}
+            while not engine.faults:  # its event poll goes unanswered for timeout_s
+                rec.take(engine.wait_finished(0.2))
+            lost = engine.lost()
+            assert engine.faults[0]["lost"] == sorted(lost) and not engine.faults[0]["restarted"]
+            again = [buffer.get(rid) for rid in lost if not buffer.get(rid).finished]
+            assert again and all(r.num_tokens == held[r.response_id] for r in again)
+            engine.submit(again, IGNORE_EOS)  # the loop's resubmission, from the buffer
+            assert {engine.where[r.response_id].index for r in again} == {0}
+            rec.wait(engine, 60)
+            for r in (r for g in buffer.groups.values() for r in g.responses):
+                assert rec.finished[r.response_id] == r.num_tokens == r.max_new_tokens
+                assert len(r.logprobs) == len(r.versions) == len(r.routed_experts) == r.num_tokens
+                assert r.prompt_routed_experts.shape == (2, 2, 2)
     finally:
         s0.stop()
         s1.stop()
 
 
-def test_fake_finished_responses_of_a_lost_server_stay_usable():
-    """A finished response outlives its server: it can still be dropped, or cut, which revives it elsewhere."""
+def test_fake_ids_of_a_lost_server_go_to_the_loop():
+    """The engine forgets a lost server's responses, finished ones included: until the loop collects them a cut
+    or a drop of one is skipped, afterwards it is an error; a cut one resubmitted resumes elsewhere."""
     s0, s1 = FakeServer(FakeEngine(step_s=0.002)), FakeServer(FakeEngine(step_s=0.002))
     try:
-
-        async def main():
-            async with RolloutClient([s0.endpoint, s1.endpoint], poll_wait_s=0.1) as c:
-                reqs = [SubmitRequest(f"g{g}-{j}", [3, 4, 5], 6, group=f"g{g}") for g in range(2) for j in range(2)]
-                await c.submit(reqs, {"ignore_eos": True})
-                assert c.responses["g1-0"].server == 1
-                for _ in reqs:
-                    await c.next_finished(30)
-                s1.crash()
-                assert await c.recover(1) == []  # nothing was unfinished there
-                assert c.responses["g1-0"].server == c.responses["g1-1"].server == DETACHED
-                kept = c.responses["g1-0"].token_ids[:2].copy()
-                await c.truncate({"g1-0": 2, "g1-1": 6})  # a cut revives; keeping everything changes nothing
-                assert c.responses["g1-0"].server == 0 and c.responses["g1-1"].server == DETACHED
-                out = await c.next_finished(30)
-                tr = c.responses["g1-0"]
-                assert out.rid == "g1-0" and len(tr.token_ids) == 6 and np.array_equal(tr.token_ids[:2], kept)
-                await c.drop(["g1-1", "g1-0"])
-                assert set(c.responses) == {"g0-0", "g0-1"}
-                with pytest.raises(ControlError, match="not tracked"):
-                    await c.drop(["g1-1"])
-
-        run(main(), 60)
+        with SGLangRolloutEngine([s0.endpoint, s1.endpoint], timeout_s=1.0, poll_wait_s=0.1) as engine:
+            buffer = RolloutBuffer()
+            for g in range(2):
+                buffer.add_group(Group.new(g, [3, 4, 5], 2, 6))
+            rec = Recorder(buffer)
+            engine.submit(buffer.pending(), IGNORE_EOS)
+            assert engine.where["1-0"].index == 1 and engine.where["0-0"].index == 0
+            rec.wait(engine, 4)
+            s1.crash()
+            while not engine.faults:
+                rec.take(engine.wait_finished(0.2))
+            engine.truncate({"1-0": 2})  # lost, not yet collected: skipped
+            engine.drop(["1-1"])
+            assert engine.lost() == ["1-0"]
+            with pytest.raises(KeyError, match="not on the rollout engine"):
+                engine.drop(["1-0"])
+            kept = buffer.get("1-0").token_ids[:2].copy()
+            buffer.apply_truncation({"1-0": 2})
+            engine.submit([buffer.get("1-0")], IGNORE_EOS)
+            assert engine.where["1-0"].index == 0
+            del rec.finished["1-0"]
+            rec.wait(engine, 4)
+            r = buffer.get("1-0")
+            assert r.num_tokens == 6 and np.array_equal(r.token_ids[:2], kept)
     finally:
         s0.stop()
         s1.stop()
@@ -364,26 +396,21 @@ def test_fake_finished_responses_of_a_lost_server_stay_usable():
 
 def test_fake_resume_reproduces_continuous_generation():
     """Truncate-then-resume continues from exactly the kept prefix (the fake engine is deterministic)."""
-    with FakeServer(FakeEngine(step_s=0.002)) as s:
-
-        async def main():
-            async with RolloutClient([s.endpoint], poll_wait_s=0.1) as c:
-                await c.submit(
-                    [SubmitRequest("ref", [7, 8, 9], 40), SubmitRequest("cut", [7, 8, 9], 40)],
-                    {"ignore_eos": True},
-                )
-                await asyncio.sleep(0.03)
-                await c.pause()
-                n = len(c.responses["cut"].token_ids)
-                await c.truncate({"cut": n // 2, "ref": len(c.responses["ref"].token_ids)})
-                await c.resume()
-                await c.next_finished(10)
-                await c.next_finished(10)
-                a, b = c.responses["ref"], c.responses["cut"]
-                assert np.array_equal(a.token_ids, b.token_ids) and np.array_equal(a.logprobs, b.logprobs)
-                assert np.array_equal(a.routed_experts, b.routed_experts)
-
-        run(main(), 60)
+    with FakeServer(FakeEngine(step_s=0.002)) as s, SGLangRolloutEngine([s.endpoint], poll_wait_s=0.1) as engine:
+        buffer = RolloutBuffer()
+        buffer.add_group(Group.new(0, [7, 8, 9], 2, 40))
+        rec = Recorder(buffer)
+        engine.submit(buffer.pending(), IGNORE_EOS)
+        time.sleep(0.03)
+        rec.take(engine.pause())
+        keep = {"0-1": buffer.get("0-1").num_tokens // 2}
+        buffer.apply_truncation(keep)
+        engine.truncate(keep)
+        engine.resume()
+        rec.wait(engine, 2)
+        a, b = buffer.get("0-0"), buffer.get("0-1")
+        assert np.array_equal(a.token_ids, b.token_ids) and np.array_equal(a.logprobs, b.logprobs)
+        assert np.array_equal(a.routed_experts, b.routed_experts)
 
 
 def test_fake_bad_input_keeps_serving():
@@ -417,42 +444,43 @@ def test_fake_bad_input_keeps_serving():
 def test_fake_second_controller_pause_does_not_wait_for_old_events():
     """Events acknowledged by an earlier connection are not awaited by the pause barrier of a new one."""
     with FakeServer(FakeEngine(step_s=0.001)) as s:
+        buffer = RolloutBuffer()
+        buffer.add_group(Group.new(0, [5, 6], 3, 5))
+        buffer.add_group(Group.new(1, [5, 6], 1, 500))
+        with SGLangRolloutEngine([s.endpoint], poll_wait_s=0.1) as engine:
+            engine.submit(buffer.groups[0].responses, IGNORE_EOS)
+            Recorder(buffer).wait(engine, 3)
+        with SGLangRolloutEngine([s.endpoint], poll_wait_s=0.1) as engine:
+            engine.submit(buffer.groups[1].responses, IGNORE_EOS)
+            t0 = time.monotonic()
+            deltas = engine.pause()
+            assert time.monotonic() - t0 < 5
+            assert [c.response_id for c in deltas] == ["1-0"] and engine.pool.servers[0].feed.last_seq == 3
 
-        async def main():
-            async with RolloutClient([s.endpoint], poll_wait_s=0.1) as c:
-                await c.submit([SubmitRequest(f"old{i}", [5, 6], 5) for i in range(3)], {"ignore_eos": True})
-                for _ in range(3):
-                    await c.next_finished(10)
-            async with RolloutClient([s.endpoint], poll_wait_s=0.1) as c:
-                await c.submit([SubmitRequest("new", [5, 6], 500)], {"ignore_eos": True})
-                deltas = await asyncio.wait_for(c.pause(), 5)
-                assert list(deltas) == ["new"] and c.servers[0].last_seq == 3
 
-        run(main(), 30)
-
-
-def test_sync_client_and_weight_sink_on_fake_engine():
-    """The synchronous wrapper the loop uses, and bfloat16 weight buckets through WeightSink."""
+def test_engine_revival_and_bfloat16_weights_on_fake_engine():
+    """A finished response cut short lives again; a bfloat16 weight bucket commits; later tokens carry its
+    version, kept ones keep theirs."""
     import torch
 
-    from sglang_ext.client import SyncRolloutClient, WeightSink
-
-    engine = FakeEngine(step_s=0.002)
-    with FakeServer(engine) as s, SyncRolloutClient([s.endpoint], poll_wait_s=0.1) as c:
-        c.submit([SubmitRequest("a", [5, 6], 30), SubmitRequest("b", [7], 400)], {"ignore_eos": True})
-        assert c.next_finished(10).rid == "a"
-        deltas = c.pause()
-        assert list(deltas) == ["b"] and c.finished_nowait() == []
-        c.truncate({"b": 1, "a": 10})  # a finished response cut short lives again
-        WeightSink(c).send([[("lm_head.weight", torch.ones(128, 8, dtype=torch.bfloat16))]], version=3)
-        assert engine.updates == [1] and c.health()[0]["version"] == 3
-        c.resume()
-        done = {c.next_finished(10).rid for _ in range(2)}
-        assert done == {"a", "b"}
-        for rid, n in (("a", 30), ("b", 400)):
-            tr = c.responses[rid]
-            assert (
-                len(tr.token_ids) == n
-                and (tr.versions[:1] == 0).all()
-                and (tr.versions[10 if rid == "a" else 1 :] == 3).all()
-            )
+    engine_ = FakeEngine(step_s=0.002)
+    with FakeServer(engine_) as s, SGLangRolloutEngine([s.endpoint], poll_wait_s=0.1) as engine:
+        buffer = RolloutBuffer()
+        buffer.add_group(Group.new(0, [5, 6], 1, 30))
+        buffer.add_group(Group.new(1, [7], 1, 400))
+        rec = Recorder(buffer)
+        engine.submit(buffer.pending(), IGNORE_EOS)
+        rec.wait(engine, 1)
+        assert list(rec.finished) == ["0-0"]
+        assert [c.response_id for c in rec.take(engine.pause())] == ["1-0"] and engine.wait_finished(0) == []
+        keep = {"1-0": 1, "0-0": 10}
+        buffer.apply_truncation(keep)
+        engine.truncate(keep)
+        engine.update_weights(iter([[("lm_head.weight", torch.ones(128, 8, dtype=torch.bfloat16))]]), version=3)
+        assert engine_.updates == [1] and engine.health()[0]["version"] == 3
+        engine.resume()
+        rec.finished.clear()
+        rec.wait(engine, 2)
+        for rid, n, k in (("0-0", 30, 10), ("1-0", 400, 1)):
+            r = buffer.get(rid)
+            assert r.num_tokens == n and (r.versions[:1] == 0).all() and (r.versions[k:] == 3).all()

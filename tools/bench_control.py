@@ -5,13 +5,16 @@ server's engine settings; the server's idle niceness applies to the channel side
 measures what it and SGLang's sleep_on_idle change):
 
   pause-and-collect  SGLang alone: abort every request and await every partial output (in-process Engine, the
-                     server's engine configuration). Channel: `RolloutClient.pause()`, i.e. the same abort inside
-                     the server plus caching, packing, the ZMQ round trip and decoding into numpy at the client.
+                     server's engine configuration). Channel: `SGLangRolloutEngine.pause()`, i.e. the same abort
+                     inside the server plus caching, packing, the ZMQ round trip, decoding the reply's arrays and
+                     one view per response at the controller. Appending those to a `RolloutBuffer` (what the loop
+                     does next) is timed apart ("buffer").
   resume             SGLang alone: generate from prompt + kept prefix, one new token each (prefill + first token,
                      the work a resume starts). Channel: N paused responses holding that prefix, then `resume()`
                      until every finish event has reached the controller.
 
-Overhead = channel / SGLang - 1 (medians over repeats); target <= 10 % at 1024 responses. The channel's time is
+Overhead = channel / SGLang - 1, of the medians over repeats and of the best (minimum) of each side, which on a
+shared machine is the steadier figure; target <= 10 % at 1024 responses. The channel's time is
 also split into its own work (server packing + client decoding, measured in place) and the two process hops
 (request and reply), which on a loaded small machine are mostly OS scheduling latency. Bytes on the wire per
 delivered token are counted at the client.
@@ -101,45 +104,58 @@ async def sglang_round(tm, n: int, plen: int, run_s: float, xlen: int, routes: b
 # ---------------------------------------------------------------------------------------------- channel
 
 
-async def channel_round(client, n: int, plen: int, run_s: float, xlen: int, tag: str) -> dict:
-    from sglang_ext.client import SubmitRequest
+def channel_round(engine, n: int, plen: int, run_s: float, xlen: int, tag: str) -> dict:
+    """One pause and one resume through the loop's rollout engine; the pause's chunks also go into a
+    RolloutBuffer, as the loop records them (timed apart: `buffer_s`)."""
+    from rollverify.buffer import RolloutBuffer
+    from rollverify.types import Group, Response
+    from sglang_ext.protocol import WireSamplingParams
 
-    conn = client.servers[0].conn
-    ps = prompts(n, plen, 0)
-    reqs = [SubmitRequest(f"c{tag}-{i}", p, MAX_NEW, sampling={"ignore_eos": True}) for i, p in enumerate(ps)]
-    await client.submit(reqs)
-    await asyncio.sleep(run_s)
+    sampling = WireSamplingParams(ignore_eos=True)
+    conn = engine.pool.servers[0].conn
+    buffer = RolloutBuffer()
+    for i, p in enumerate(prompts(n, plen, 0)):
+        buffer.add_group(Group.new(i, p, 1, MAX_NEW))
+    engine.submit(buffer.pending(), sampling)
+    time.sleep(run_s)
     b0 = conn.bytes_in.get("pause", 0)
     t0 = time.perf_counter()
-    deltas = await client.pause()
+    chunks = engine.pause()
     pause_s = time.perf_counter() - t0
-    body = client.last_pause[0]
+    t0 = time.perf_counter()
+    for c in chunks:
+        buffer.record(c.response_id, c.token_ids, c.logprobs, c.versions, c.routed_experts)
+    buffer_s = time.perf_counter() - t0
+    body = engine.last_pause[0]
     out = {
         "pause_s": pause_s,
-        "tokens": sum(len(d.token_ids) for d in deltas.values()),
+        "buffer_s": buffer_s,
+        "tokens": sum(len(c.token_ids) for c in chunks),
         "pause_bytes": conn.bytes_in.get("pause", 0) - b0,
         "server_engine_s": body["engine_s"],
         "server_handled_s": body["handled_s"],
-        "client_s": body["client_decode_s"] + body["client_apply_s"],
+        "client_s": body["client_decode_s"] + body["client_chunks_s"],
         "request_hop_s": body["hops_s"][0],
         "reply_hop_s": body["hops_s"][1],
         "await_events_s": body["client_await_events_s"],
     }
-    await client.drop([r.rid for r in reqs])
+    engine.drop([r.response_id for r in buffer.pending()])
+    engine.wait_finished(0.0)  # responses that finished before the pause (none with these budgets)
     xs = prompts(n, xlen, 1)
-    reqs = [
-        SubmitRequest(f"d{tag}-{i}", p, xlen + 1, prefix_ids=x, sampling={"ignore_eos": True})
-        for i, (p, x) in enumerate(zip(ps, xs, strict=True))
+    resumed = [
+        Response(n + i, 0, p, xlen + 1, token_ids=x, logprobs=np.zeros(xlen, np.float32), versions=np.zeros(xlen))
+        for i, (p, x) in enumerate(zip(prompts(n, plen, 0), xs, strict=True))
     ]
-    await client.submit(reqs)  # the server is paused: they wait for resume
+    engine.submit(resumed, sampling)  # the engine is paused: they wait for resume
     e0 = conn.bytes_in.get("events", 0)
     t0 = time.perf_counter()
-    await client.resume()
-    for _ in range(n):
-        await client.next_finished(600)
+    engine.resume()
+    done = 0
+    while done < n:
+        done += len(engine.wait_finished(600))
     out["resume_s"] = time.perf_counter() - t0
     out["event_bytes"] = conn.bytes_in.get("events", 0) - e0
-    await client.drop([r.rid for r in reqs])
+    engine.drop([r.response_id for r in resumed])
     return out
 
 
@@ -152,6 +168,9 @@ def summarize(n: int, base: list[dict], chan: list[dict]) -> dict:
     def m(rows, key):
         return med(r[key] for r in rows)
 
+    def b(rows, key):
+        return min(r[key] for r in rows)
+
     toks = sum(c["tokens"] for c in chan)
     own = [c["server_handled_s"] - c["server_engine_s"] + c["client_s"] for c in chan]
     hops = [c["pause_s"] - c["server_handled_s"] - c["client_s"] for c in chan]
@@ -160,6 +179,8 @@ def summarize(n: int, base: list[dict], chan: list[dict]) -> dict:
         "sglang_pause_s": m(base, "pause_s"),
         "channel_pause_s": m(chan, "pause_s"),
         "pause_overhead": m(chan, "pause_s") / m(base, "pause_s") - 1,
+        "pause_overhead_best": b(chan, "pause_s") / b(base, "pause_s") - 1,
+        "buffer_append_s": m(chan, "buffer_s"),
         "channel_pause_own_work_s": med(own),
         "channel_pause_hops_s": med(hops),
         "server_engine_pause_s": m(chan, "server_engine_s"),
@@ -169,6 +190,7 @@ def summarize(n: int, base: list[dict], chan: list[dict]) -> dict:
         "sglang_resume_s": m(base, "resume_s"),
         "channel_resume_s": m(chan, "resume_s"),
         "resume_overhead": m(chan, "resume_s") / m(base, "resume_s") - 1,
+        "resume_overhead_best": b(chan, "resume_s") / b(base, "resume_s") - 1,
         "tokens_per_pause": toks / len(chan),
         "pause_bytes_per_token": sum(c["pause_bytes"] for c in chan) / max(toks, 1),
         "event_bytes_per_token": sum(c["event_bytes"] for c in chan) / (n * len(chan)),
@@ -183,11 +205,14 @@ def table(rows: list[dict]) -> str:
         "SGLang pause ms",
         "channel pause ms",
         "overhead",
+        "best",
         "own work ms",
         "hops ms",
+        "buffer ms",
         "SGLang resume ms",
         "channel resume ms",
         "overhead",
+        "best",
         "B/token pause",
         "B/token event",
     )
@@ -200,11 +225,14 @@ def table(rows: list[dict]) -> str:
                     f"{r['sglang_pause_s'] * 1e3:.1f}",
                     f"{r['channel_pause_s'] * 1e3:.1f}",
                     f"{r['pause_overhead']:+.1%}",
+                    f"{r['pause_overhead_best']:+.1%}",
                     f"{r['channel_pause_own_work_s'] * 1e3:.1f}",
                     f"{r['channel_pause_hops_s'] * 1e3:.1f}",
+                    f"{r['buffer_append_s'] * 1e3:.1f}",
                     f"{r['sglang_resume_s'] * 1e3:.1f}",
                     f"{r['channel_resume_s'] * 1e3:.1f}",
                     f"{r['resume_overhead']:+.1%}",
+                    f"{r['resume_overhead_best']:+.1%}",
                     f"{r['pause_bytes_per_token']:.1f}",
                     f"{r['event_bytes_per_token']:.1f}",
                 ]
@@ -226,9 +254,10 @@ def main(argv: list[str] | None = None) -> int:
     import sglang as sgl
 
     from rollverify.tiny_model import TinyModelSpec, ensure_tiny_model
-    from sglang_ext.client import RolloutClient, ServerConnection
+    from sglang_ext.client import ServerConnection
     from sglang_ext.engine import default_engine_kwargs
     from sglang_ext.launch import launch_server
+    from sglang_ext.rollout_engine import SGLangRolloutEngine
 
     model = ensure_tiny_model(TinyModelSpec(moe=a.moe))
     big = max(a.sizes)
@@ -270,36 +299,34 @@ def main(argv: list[str] | None = None) -> int:
 
     server = launch_server(model, engine_args=engine_args)
     # The controller process holds torch and SGLang's modules (millions of objects): freeze them out of the
-    # garbage collector's full passes, as the server does after start (see RolloutClient's docstring).
+    # garbage collector's full passes, as the server does after start.
     gc.collect()
     gc.freeze()
     idle_rtt = []
     try:
 
-        async def run_channel():
+        async def idle_round_trips():
             conn = await ServerConnection(server.endpoint).start()
             for _ in range(50):
                 t0 = time.perf_counter()
                 await conn.health()
                 idle_rtt.append(time.perf_counter() - t0)
             await conn.close()
-            async with RolloutClient([server.endpoint], poll_wait_s=0.5) as client:
-                await channel_round(client, 8, a.prompt_len, 0.3, a.prefix_len, "warm")
-                for rep in range(a.repeats):
-                    for n in sizes:
-                        r = await channel_round(
-                            client, n, a.prompt_len, 0.3 + n / 1024, a.prefix_len, f"{n}-{rep}"
-                        )
-                        chan[n].append(r)
-                        print(
-                            f"  channel N={n}: pause {r['pause_s'] * 1e3:.0f} ms (engine {r['server_engine_s'] * 1e3:.0f},"
-                            f" request hop {r['request_hop_s'] * 1e3:.1f}, reply hop {r['reply_hop_s'] * 1e3:.1f},"
-                            f" client {r['client_s'] * 1e3:.1f}, events {r['await_events_s'] * 1e3:.1f}),"
-                            f" resume {r['resume_s'] * 1e3:.0f} ms",
-                            flush=True,
-                        )
 
-        asyncio.run(run_channel())
+        asyncio.run(idle_round_trips())
+        with SGLangRolloutEngine([server.endpoint], poll_wait_s=0.5) as engine:
+            channel_round(engine, 8, a.prompt_len, 0.3, a.prefix_len, "warm")
+            for rep in range(a.repeats):
+                for n in sizes:
+                    r = channel_round(engine, n, a.prompt_len, 0.3 + n / 1024, a.prefix_len, f"{n}-{rep}")
+                    chan[n].append(r)
+                    print(
+                        f"  channel N={n}: pause {r['pause_s'] * 1e3:.0f} ms (engine {r['server_engine_s'] * 1e3:.0f},"
+                        f" request hop {r['request_hop_s'] * 1e3:.1f}, reply hop {r['reply_hop_s'] * 1e3:.1f},"
+                        f" client {r['client_s'] * 1e3:.1f}, events {r['await_events_s'] * 1e3:.1f};"
+                        f" buffer {r['buffer_s'] * 1e3:.1f}), resume {r['resume_s'] * 1e3:.0f} ms",
+                        flush=True,
+                    )
     finally:
         server.stop()
 

@@ -22,7 +22,6 @@ it is quiet, and read the figures as relative between the settings.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import statistics
@@ -95,32 +94,41 @@ def idle_cpu_pct(pid: int, seconds: float) -> float:
     return 100.0 * (tree_cpu_s(pid) - c0) / (time.monotonic() - t0)
 
 
-async def work(endpoint: str, batch: int, tokens: int, repeats: int) -> dict:
-    from sglang_ext.client import RolloutClient, SubmitRequest
+def work(endpoint: str, batch: int, tokens: int, repeats: int) -> dict:
+    from rollverify.types import Response
+    from sglang_ext.protocol import WireSamplingParams
+    from sglang_ext.rollout_engine import SGLangRolloutEngine
 
+    sampling = WireSamplingParams(ignore_eos=True)
     out: dict = {"wake_ms": [], "decode_tok_s": [], "pause_ms": []}
-    async with RolloutClient([endpoint], poll_wait_s=0.2) as c:
+
+    def finish(engine, responses) -> None:
+        left = len(responses)
+        while left:
+            left -= sum(c.finish_reason is not None for c in engine.wait_finished(300))
+        engine.drop([r.response_id for r in responses])
+
+    with SGLangRolloutEngine([endpoint], poll_wait_s=0.2) as engine:
         for r in range(repeats):
-            await asyncio.sleep(1.5)  # idle long enough for an idle scheduler to park
+            time.sleep(1.5)  # idle long enough for an idle scheduler to park
+            wake = [Response(3 * r, 0, [5, 6, 7], 4)]
             t0 = time.perf_counter()
-            await c.submit([SubmitRequest(f"wake{r}", [5, 6, 7], 4)], {"ignore_eos": True})
-            await c.next_finished(60)
+            engine.submit(wake, sampling)
+            finish(engine, wake)
             out["wake_ms"].append(1e3 * (time.perf_counter() - t0))
-            reqs = [SubmitRequest(f"d{r}-{i}", [4 + i % 120, 6, 7], tokens) for i in range(batch)]
+            decode = [Response(3 * r + 1, i, [4 + i % 120, 6, 7], tokens) for i in range(batch)]
             t0 = time.perf_counter()
-            await c.submit(reqs, {"ignore_eos": True})
-            for _ in reqs:
-                await c.next_finished(300)
+            engine.submit(decode, sampling)
+            finish(engine, decode)
             out["decode_tok_s"].append(batch * tokens / (time.perf_counter() - t0))
-            reqs = [SubmitRequest(f"p{r}-{i}", [4 + (i * 7) % 120, 6, 7], 2048) for i in range(batch)]
-            await c.submit(reqs, {"ignore_eos": True})
-            await asyncio.sleep(0.5)
+            paused = [Response(3 * r + 2, i, [4 + (i * 7) % 120, 6, 7], 2048) for i in range(batch)]
+            engine.submit(paused, sampling)
+            time.sleep(0.5)
             t0 = time.perf_counter()
-            await c.pause()
+            engine.pause()
             out["pause_ms"].append(1e3 * (time.perf_counter() - t0))
-            await c.drop([r.rid for r in reqs])
-            await c.resume()
-            await c.drop([rid for rid, tr in c.responses.items() if tr.finished])
+            engine.drop([x.response_id for x in paused])
+            engine.resume()
     return {
         "wake_ms": statistics.median(out["wake_ms"]),
         "decode_tok_s": max(out["decode_tok_s"]),
@@ -139,7 +147,7 @@ def measure(mode: str, moe: bool, a: argparse.Namespace) -> dict:
         time.sleep(a.settle_s)
         idle = [idle_cpu_pct(sp.pid, a.idle_s) for _ in range(a.repeats)]
         contended = [contended_cpu_pct(sp.pid, a.idle_s) for _ in range(a.repeats)]
-        res = asyncio.run(work(sp.endpoint, a.batch, a.tokens, a.repeats))
+        res = work(sp.endpoint, a.batch, a.tokens, a.repeats)
         time.sleep(a.settle_s)
         idle_after = idle_cpu_pct(sp.pid, a.idle_s)  # idle again after work (a parked loop must re-park)
     server, trainer = min(contended, key=lambda x: x[0])

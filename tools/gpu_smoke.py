@@ -29,7 +29,6 @@ weight update through the colocated transport; the engine-versus-trainer log-pro
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import math
 import os
@@ -459,70 +458,99 @@ def part_b(env: Env, smoke: Smoke) -> None:
     if server is None:
         return
     try:
-        smoke.run("pause_truncate_resume", lambda: asyncio.run(_pause_truncate_resume(server.endpoint)))
-        smoke.run("weight_update", lambda: asyncio.run(_weight_update(server.endpoint, path, env)))
-        smoke.run("logprob_floor_vs_d_s", lambda: asyncio.run(_logprob_floor(server.endpoint, path, env, dtype)))
+        smoke.run("pause_truncate_resume", lambda: _pause_truncate_resume(server.endpoint))
+        smoke.run("weight_update", lambda: _weight_update(server.endpoint, path, env))
+        smoke.run("logprob_floor_vs_d_s", lambda: _logprob_floor(server.endpoint, path, env, dtype))
     finally:
         server.stop()
 
 
-async def _pause_truncate_resume(endpoint: str) -> Check:
+def _record(buffer, chunks) -> None:
+    for c in chunks:
+        buffer.record(c.response_id, c.token_ids, c.logprobs, c.versions, c.routed_experts,
+                      finish_reason=c.finish_reason)
+
+
+def _finish(engine, buffer, responses, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not all(r.finished for r in responses):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"responses unfinished after {timeout_s:.0f} s")
+        _record(buffer, engine.wait_finished(1.0))
+
+
+def _pause_truncate_resume(endpoint: str) -> Check:
     """Greedy: responses paused mid-way, cut (to 0 and to half) and resumed equal one continuous generation."""
     import numpy as np
 
-    from sglang_ext.client import RolloutClient, SubmitRequest
+    from rollverify.buffer import RolloutBuffer
+    from rollverify.types import Group
+    from sglang_ext.protocol import WireSamplingParams
+    from sglang_ext.rollout_engine import SGLangRolloutEngine
 
-    greedy = {"temperature": 0.0, "ignore_eos": True}
+    greedy = WireSamplingParams(temperature=0.0, ignore_eos=True)
     prompt = [9, 10, 11, 12, 13]
-    async with RolloutClient([endpoint], poll_wait_s=0.2) as c:
-        await c.submit([SubmitRequest("ref", prompt, 200, sampling=greedy)])
-        await c.next_finished(120)
-        await c.submit([SubmitRequest(f"cut{k}", prompt, 200, sampling=greedy) for k in ("0", "half")])
+    buffer = RolloutBuffer()
+    buffer.add_group(Group.new(0, prompt, 1, 200))
+    buffer.add_group(Group.new(1, prompt, 2, 200))
+    ref, cut0, cuthalf = buffer.get("0-0"), buffer.get("1-0"), buffer.get("1-1")
+    with SGLangRolloutEngine([endpoint], poll_wait_s=0.2) as engine:
+        engine.submit([ref], greedy)
+        _finish(engine, buffer, [ref], 120)
+        engine.submit([cut0, cuthalf], greedy)
         for _ in range(200):  # pause once both hold >= 20 tokens
-            await asyncio.sleep(0.02)
-            await c.pause()
-            n = len(c.responses["cuthalf"].token_ids)
-            if min(n, len(c.responses["cut0"].token_ids)) >= 20:
+            time.sleep(0.02)
+            _record(buffer, engine.pause())
+            _record(buffer, engine.wait_finished(0.0))
+            n = cuthalf.num_tokens
+            if min(n, cut0.num_tokens) >= 20:
                 break
-            await c.resume()
-        await c.truncate({"cut0": 0, "cuthalf": n // 2})
-        await c.resume()
-        for _ in range(2):
-            await c.next_finished(120)
-        ref = c.responses["ref"]
-        same = {rid: float((c.responses[rid].token_ids == ref.token_ids).mean()) for rid in ("cut0", "cuthalf")}
-        lp = max(float(np.abs(c.responses[rid].logprobs - ref.logprobs).max()) for rid in same)
+            engine.resume()
+        keep = {"1-0": 0, "1-1": n // 2}
+        buffer.apply_truncation(keep)
+        engine.truncate(keep)
+        engine.resume()
+        _finish(engine, buffer, [cut0, cuthalf], 120)
+        engine.drop(["0-0", "1-0", "1-1"])
+    same = {r.response_id: float((r.token_ids == ref.token_ids).mean()) for r in (cut0, cuthalf)}
+    lp = max(float(np.abs(r.logprobs - ref.logprobs).max()) for r in (cut0, cuthalf))
     ok = all(v == 1.0 for v in same.values())
     return Check("", ok, f"paused at {n} tokens, cut to 0 and {n // 2}, resumed: tokens equal to continuous "
                  f"generation {same}; max |lp diff| {lp:.1e}", min(same.values()))
 
 
-async def _weight_update(endpoint: str, path: str, env: Env) -> Check:
+def _weight_update(endpoint: str, path: str, env: Env) -> Check:
     """Push another model's weights (device tensors, as the trainer holds them) and see the engine use them:
     later tokens carry the new version and their log-probs are the new model's; then `path`'s weights again."""
     import numpy as np
     import torch
     from safetensors.torch import load_file
 
+    from rollverify.buffer import RolloutBuffer
     from rollverify.tiny_model import TinyModelSpec, ensure_tiny_model
-    from sglang_ext.client import RolloutClient, SubmitRequest
+    from rollverify.types import Group
+    from sglang_ext.protocol import WireSamplingParams
+    from sglang_ext.rollout_engine import SGLangRolloutEngine
 
     other = ensure_tiny_model(TinyModelSpec(seed=1, max_position_embeddings=40960))
     tensors = sorted((k, v.to(env.device)) for k, v in load_file(str(other / "model.safetensors")).items())
     buckets = [tensors[i::3] for i in range(3)]
     prompt = np.array([20, 21, 22, 23], np.int64)
-    async with RolloutClient([endpoint], poll_wait_s=0.2) as c:
-        await c.pause()
+    buffer = RolloutBuffer()
+    buffer.add_group(Group.new(0, prompt, 1, 48))
+    tr = buffer.get("0-0")
+    with SGLangRolloutEngine([endpoint], poll_wait_s=0.2) as engine:
+        engine.pause()
         t = time.perf_counter()
-        await c.update_weights(buckets, version=1)
+        engine.update_weights(iter(buckets), version=1)
         dt = time.perf_counter() - t
-        await c.resume()
-        await c.submit([SubmitRequest("after", prompt, 48, sampling={"temperature": 1.0, "ignore_eos": True})])
-        await c.next_finished(120)
-        tr = c.responses["after"]
-        await c.pause()
-        await c.update_weights_from_disk(path, version=2)  # back to the served model for the checks after
-        await c.resume()
+        engine.resume()
+        engine.submit([tr], WireSamplingParams(temperature=1.0, ignore_eos=True))
+        _finish(engine, buffer, [tr], 120)
+        engine.drop(["0-0"])
+        engine.pause()
+        engine.pool.run(engine.pool.servers[0].conn.update_weights_from_disk(path, 2))  # back to the served model
+        engine.resume()
     ref = hf_logprobs(str(other), [_as_train_sequence(prompt, tr.token_ids)], env, torch.float32)[0]
     d = float(np.abs(ref - tr.logprobs).mean())
     ok = bool((tr.versions == 1).all()) and d < 2e-2
@@ -538,21 +566,26 @@ def _as_train_sequence(prompt, tokens):
     return TrainSequence(prompt, tokens)
 
 
-async def _logprob_floor(endpoint: str, path: str, env: Env, dtype: str, d_s: float = 0.02) -> Check:
+def _logprob_floor(endpoint: str, path: str, env: Env, dtype: str, d_s: float = 0.02) -> Check:
     """The engine-versus-trainer log-prob gap at equal weights (both in `dtype`): the OPS floor a verification
     threshold d_s must stay above, or responses are cut for numerics alone."""
     import numpy as np
 
-    from sglang_ext.client import RolloutClient, SubmitRequest
+    from rollverify.buffer import RolloutBuffer
+    from rollverify.types import Group
+    from sglang_ext.protocol import WireSamplingParams
+    from sglang_ext.rollout_engine import SGLangRolloutEngine
 
     rng = np.random.default_rng(0)
     prompts = [rng.integers(4, 128, 16) for _ in range(32)]
-    async with RolloutClient([endpoint], poll_wait_s=0.2) as c:
-        await c.submit([SubmitRequest(f"f{i}", p, 128, sampling={"temperature": 1.0, "ignore_eos": True})
-                        for i, p in enumerate(prompts)])
-        for _ in prompts:
-            await c.next_finished(300)
-        outs = [c.responses[f"f{i}"] for i in range(len(prompts))]
+    buffer = RolloutBuffer()
+    for i, p in enumerate(prompts):
+        buffer.add_group(Group.new(i, p, 1, 128))
+    outs = [buffer.get(f"{i}-0") for i in range(len(prompts))]
+    with SGLangRolloutEngine([endpoint], poll_wait_s=0.2) as engine:
+        engine.submit(outs, WireSamplingParams(temperature=1.0, ignore_eos=True))
+        _finish(engine, buffer, outs)
+        engine.drop([o.response_id for o in outs])
     seqs = [_as_train_sequence(p, o.token_ids) for p, o in zip(prompts, outs, strict=True)]
     trainer = make_trainer(path, env, dtype)
     try:

@@ -271,6 +271,9 @@ class SimEngine:
         self.clock.advance(self.cost.weight_sync(), "sync")
         self.version = version
 
+    def lost(self) -> list[str]:
+        return []  # a simulated server never fails
+
 
 class SimTrainer:
     """`Trainer` whose steps cost 6 N per token and whose log-probs drift from the engine's (`DriftModel`)."""

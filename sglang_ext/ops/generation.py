@@ -20,7 +20,7 @@ from sglang_ext.protocol import (
     TruncateBody,
     encode_outputs,
 )
-from sglang_ext.store import State
+from sglang_ext.store import State, pack_deltas
 
 if TYPE_CHECKING:
     from sglang_ext.server import ControlServer
@@ -71,8 +71,7 @@ class GenerationOps:
         running = recs.in_state(State.RUNNING)
         engine_s = await recs.stop_running(running)
         t0 = time.perf_counter()
-        outputs = [r.take_delta() for r in running if r.state is State.PAUSED]
-        out, arrays = encode_outputs(outputs, route_shape=recs.route_shape)
+        out, arrays = pack_deltas([r for r in running if r.state is State.PAUSED], recs.route_shape)
         out.update(
             event_seq=recs.events.last_seq,
             engine_s=engine_s,
