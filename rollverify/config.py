@@ -4,8 +4,10 @@
 
 A run is expensive (servers, trainer ranks, minutes to days), so every key is checked up front: an unknown key,
 a value of the wrong type or out of range, or an inconsistent combination (parallel sizes that do not divide,
-an eval larger than the run) is a `ConfigError` that names the key and says what is allowed. The `algo`
-section is `rollverify.strategies.AlgoConfig` itself, so the loop and the file share one definition.
+an eval larger than the run) is a `ConfigError` that names the key and says what is allowed. A section is the
+dataclass its consumer takes: `algo` is `rollverify.strategies.AlgoConfig` itself (the loop's strategies), and
+`trainer` is what `megatron_bridge.trainer.MegatronTrainer` takes, so the file and the code share one
+definition and nothing is copied or renamed between them.
 """
 
 from __future__ import annotations
