@@ -476,6 +476,77 @@ class EngineHandle:
             raise RuntimeError(f"update_weights_from_disk: {msg}")
         await self.flush()
 
+    # --- GPU weight transports and the colocated memory handoff (sglang_ext/ops/transport.py drives these)
+
+    async def join_weight_group(
+        self, master_addr: str, master_port: int, rank_offset: int, world_size: int, group: str, backend: str
+    ) -> None:
+        """Join the trainer's weight-update group (SGLang's `init_weights_update_group`): each scheduler TP rank
+        becomes rank `rank_offset + tp_rank`; returns once the whole group has formed."""
+        from sglang.srt.managers.io_struct import InitWeightsUpdateGroupReqInput
+
+        obj = InitWeightsUpdateGroupReqInput(
+            master_address=master_addr,
+            master_port=master_port,
+            rank_offset=rank_offset,
+            world_size=world_size,
+            group_name=group,
+            backend=backend,
+        )
+        ok, msg = await self.tm.init_weights_update_group(obj, None)
+        if not ok:
+            raise RuntimeError(f"init_weights_update_group: {msg}")
+
+    async def begin_weight_update(self) -> None:
+        from sglang.srt.managers.io_struct import BeginWeightUpdateReqInput
+
+        ok, msg = await self.tm.begin_weight_update(BeginWeightUpdateReqInput(), None)
+        if not ok:
+            raise RuntimeError(f"begin_weight_update: {msg}")
+
+    async def end_weight_update(self) -> None:
+        from sglang.srt.managers.io_struct import EndWeightUpdateReqInput
+
+        ok, msg = await self.tm.end_weight_update(EndWeightUpdateReqInput(), None)
+        if not ok:
+            raise RuntimeError(f"end_weight_update: {msg}")
+
+    async def receive_bucket(self, names: list[str], dtypes: list[str], shapes: list[list[int]], group: str) -> None:
+        """Receive one flattened bucket broadcast by the group's rank 0 and load it (inside a weight update)."""
+        from sglang.srt.managers.io_struct import UpdateWeightsFromDistributedReqInput
+
+        obj = UpdateWeightsFromDistributedReqInput(
+            names=names, dtypes=dtypes, shapes=shapes, group_name=group, flush_cache=False,
+            load_format="flattened_bucket",
+        )
+        ok, msg = await self.tm.update_weights_from_distributed(obj, None)
+        if not ok:
+            raise RuntimeError(f"update_weights_from_distributed: {msg}")
+
+    async def load_flattened(self, payloads: list[bytes]) -> None:
+        """Load one flattened bucket from serialized payloads, one per TP rank (CUDA IPC handles of the trainer's
+        buffer on a GPU; shared memory on CPU), inside a weight update."""
+        from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+
+        obj = UpdateWeightsFromTensorReqInput(
+            serialized_named_tensors=payloads, load_format="flattened_bucket", flush_cache=False
+        )
+        ok, msg = await self.tm.update_weights_from_tensor(obj, None)
+        if not ok:
+            raise RuntimeError(f"update_weights_from_tensor: {msg}")
+
+    async def release_memory(self, tags: list[str]) -> None:
+        """Free the GPU memory of `tags` (weights, kv_cache, cuda_graph); needs nothing running."""
+        from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqInput
+
+        await self.tm.release_memory_occupation(ReleaseMemoryOccupationReqInput(tags=tags), None)
+
+    async def resume_memory(self, tags: list[str]) -> None:
+        """Take back the memory of `tags` released before (released weights come back undefined: load after)."""
+        from sglang.srt.managers.io_struct import ResumeMemoryOccupationReqInput
+
+        await self.tm.resume_memory_occupation(ResumeMemoryOccupationReqInput(tags=tags), None)
+
     async def flush(self) -> None:
         res = await self.tm.flush_cache()
         if not getattr(res, "success", True):

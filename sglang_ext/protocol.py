@@ -64,6 +64,7 @@ class ErrorCode:
     VERSION_MISMATCH = "VERSION_MISMATCH"
     WEIGHT_INVALID = "WEIGHT_INVALID"  # unknown name, wrong shape or dtype: nothing applied
     WEIGHT_SEQUENCE = "WEIGHT_SEQUENCE"  # buckets out of order
+    WEIGHTS_INCOMPLETE = "WEIGHTS_INCOMPLETE"  # a streamed version failed after loading began: send a whole one
     ENGINE_ERROR = "ENGINE_ERROR"
     SHUTTING_DOWN = "SHUTTING_DOWN"
 
@@ -471,6 +472,44 @@ class UpdateWeightsFromDiskBody(_Body):
     version: Version
 
 
+class WeightsGroupBody(_Body):
+    """Join the trainer's weight-update group (disaggregated transport; see "Weight transports")."""
+
+    master_addr: str = Field(min_length=1, max_length=255)
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=1, le=INT32_MAX)
+    world_size: int = Field(ge=2, le=INT32_MAX)
+    group: str = Field(min_length=1, max_length=128)
+    backend: Literal["gloo", "nccl"]
+
+
+class _StreamBody(_Body):
+    """One step of a weight version streamed bucket by bucket: `bucket` (its tensors' names, dtypes, shapes),
+    then `commit` (how many buckets were sent), or `abort`."""
+
+    step: Literal["bucket", "commit", "abort"]
+    version: Version
+    bucket: int = Field(0, ge=0, le=MAX_BUCKET)
+    names: list[str] = Field(default_factory=list, max_length=1 << 16)
+    dtypes: list[str] = Field(default_factory=list, max_length=1 << 16)
+    shapes: list[list[Annotated[int, Field(ge=0, le=INT64_MAX)]]] = Field(default_factory=list, max_length=1 << 16)
+    buckets: Count = 0
+    reason: str = Field("", max_length=4096)
+
+
+class DistributedBucketBody(_StreamBody):
+    group: str = Field("", max_length=128)  # the weight-update group the bytes are broadcast over
+
+
+class IpcBucketBody(_StreamBody):
+    payloads: list[str] = Field(default_factory=list, max_length=64)  # base64, one per TP rank
+
+
+class MemoryBody(_Body):
+    action: Literal["release", "resume"]
+    tags: list[Literal["weights", "kv_cache", "cuda_graph"]] = Field(default_factory=list, max_length=3)
+
+
 class FlushBody(_Body):
     pass
 
@@ -502,6 +541,10 @@ BODIES: dict[str, type[BaseModel]] = {
     "update_weights": UpdateWeightsBody,
     "update_weights_from_disk": UpdateWeightsFromDiskBody,
     "flush": FlushBody,
+    "weights_group": WeightsGroupBody,
+    "update_weights_distributed": DistributedBucketBody,
+    "update_weights_ipc": IpcBucketBody,
+    "memory": MemoryBody,
     "stats": StatsBody,
     "health": HealthBody,
     "weights": WeightsBody,

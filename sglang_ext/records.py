@@ -98,6 +98,7 @@ class Records:
     ):
         self.engine = engine
         self.version = version  # the weights version new engine requests are stamped with
+        self.blocked: str | None = None  # why no request may launch (the engine holds a half-loaded version)
         self.paused = False
         self.table: dict[str, Record] = {}
         self.events = EventQueue()
@@ -125,6 +126,15 @@ class Records:
                 {"rids": missing[:100]},
             )
         return [self.table[r] for r in rids]
+
+    def require_whole_weights(self, what: str) -> None:
+        """Refuse to launch while the engine holds a mix of two weight versions (sglang_ext/ops/transport.py)."""
+        if self.blocked:
+            raise ProtocolError(
+                ErrorCode.WEIGHTS_INCOMPLETE,
+                f"{what}: {self.blocked}; the server reports version {self.version} and launches nothing until a "
+                "whole version is loaded (send it again). Nothing was changed",
+            )
 
     def require_idle(self, what: str) -> None:
         n = len(self.in_state(State.RUNNING))

@@ -45,6 +45,7 @@ class GenerationOps:
     async def submit(self, body: SubmitBody, msg: Message) -> Reply:
         """All-or-nothing: every check passes before any record exists; launched at once unless paused."""
         recs = self.records
+        recs.require_whole_weights("submit")
         if body.expect_version is not None and body.expect_version != recs.version:
             raise ProtocolError(
                 ErrorCode.VERSION_MISMATCH,
@@ -85,6 +86,7 @@ class GenerationOps:
         recs = self.records
         if not recs.paused:
             raise ProtocolError(ErrorCode.NOT_PAUSED, "the server is not paused; nothing to resume")
+        recs.require_whole_weights("resume")
         t0 = time.perf_counter()
         recs.paused = False
         live = recs.in_state(State.PAUSED)

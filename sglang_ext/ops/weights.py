@@ -68,6 +68,7 @@ class WeightOps:
         async with self.server.engine_calls.call():
             await self.server.engine.update_tensors(staged.buckets)
         self.records.version = body.version
+        self.records.blocked = None  # a whole version is loaded
         reply = {
             "version": self.records.version,
             "committed": True,
@@ -149,6 +150,7 @@ class WeightOps:
         async with self.server.engine_calls.call():
             await self.server.engine.update_from_disk(str(other.path))
         self.records.version = body.version
+        self.records.blocked = None  # a whole version is loaded
         return {"version": self.records.version, "committed": True, "engine_s": time.perf_counter() - t0}, None, None
 
     async def flush(self, body: FlushBody, msg: Message) -> Reply:
