@@ -50,6 +50,10 @@ class LoopTrainer:
     def export_weights(self) -> Iterator[list[tuple[str, object]]]:
         return buckets(self.trainer.iter_hf_tensors(), self.bucket_bytes)
 
+    def send_weights(self, spec: Any, version: int, bucket_bytes: int | None = None) -> dict[str, float]:
+        """The ranks stream the weights to the servers of `spec` (sglang_ext.weight_transport) themselves."""
+        return self.trainer.send_weights(spec, version, bucket_bytes or self.bucket_bytes)
+
     def save(self, path: str) -> None:
         self.trainer.save_checkpoint(path)
 

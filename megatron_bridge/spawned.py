@@ -208,6 +208,11 @@ class SpawnedTrainer:
             sink = CallableSink(sink)
         return self._call("sync_weights", version, bucket_bytes, dtype, _sink=sink)
 
+    def send_weights(self, spec, version: int | None = None, bucket_bytes: int = 64 << 20,
+                     dtype: torch.dtype | None = None) -> dict[str, float]:
+        """The ranks stream the weights to the servers themselves (`MegatronTrainer.send_weights`)."""
+        return self._call("send_weights", spec, version, bucket_bytes, dtype)
+
     def iter_hf_tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Materialises the export in the driver, then yields it (the ranks stream it bucket by bucket)."""
         return iter(self.export_hf_state(dtype=dtype).items())

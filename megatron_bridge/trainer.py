@@ -472,6 +472,19 @@ class MegatronTrainer:
         return sync(self.iter_hf_tensors(dtype), sink if self.is_driver else None, self.version,
                     bucket_bytes=bucket_bytes, is_driver=self.is_driver)
 
+    def send_weights(self, spec, version: int | None = None, bucket_bytes: int = 64 << 20,
+                     dtype: torch.dtype | None = None) -> dict[str, float]:
+        """Stream the weights to the servers through a transport whose data path starts on the ranks
+        (`sglang_ext.weight_transport.TransportSpec`): each rank sends from its own `spec.open_sink(rank)`, or
+        only joins the gathers; nothing crosses the driver."""
+        from megatron_bridge.weight_sync import sync
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        sink = spec.open_sink(rank)
+        self.version = self.step_count if version is None else int(version)
+        return sync(self.iter_hf_tensors(dtype), sink, self.version, bucket_bytes=bucket_bytes,
+                    is_driver=sink is not None)
+
     # ------------------------------------------------------------------------------------------ checkpoints
 
     def save_checkpoint(self, ckpt_dir: str | os.PathLike) -> Path:

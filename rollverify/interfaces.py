@@ -89,3 +89,15 @@ class Trainer(Protocol):
     def save(self, path: str) -> None: ...
 
     def load(self, path: str) -> None: ...
+
+class WeightSync(Protocol):
+    """How a new policy reaches the engine, and (colocated) how the engine and the trainer take turns on the GPUs.
+
+    `InMemoryWeights` (rollverify.loop) pushes the trainer's buckets through the driver; on a cluster
+    `sglang_ext.weight_transport.TransportWeights` streams them from the trainer's ranks to the servers."""
+
+    def before_training(self) -> None:
+        """The rollout phase is over (the engine is paused): the trainer may take the GPU memory."""
+
+    def push(self, version: int) -> object:
+        """Every server serves the trainer's current weights as `version` (and, colocated, has its memory back)."""

@@ -35,12 +35,26 @@ import numpy as np
 import torch
 
 from rollverify.buffer import RolloutBuffer
-from rollverify.interfaces import Chunk, RolloutEngine, SamplingParams, Trainer
+from rollverify.interfaces import Chunk, RolloutEngine, SamplingParams, Trainer, WeightSync
 from rollverify.losses import grpo_advantages
 from rollverify.strategies import AlgoConfig, Strategy, make_strategy
 from rollverify.types import Group, Response
 
 VERIFY_PREFIX = "verify/"  # every statistic of the step's VerifyOutcome is logged under this prefix
+
+
+class InMemoryWeights:
+    """The local launcher's weight path: the trainer's HF-named buckets through this process to the engine;
+    nothing to hand over between phases."""
+
+    def __init__(self, engine: RolloutEngine, trainer: Trainer) -> None:
+        self.engine, self.trainer = engine, trainer
+
+    def before_training(self) -> None:
+        pass
+
+    def push(self, version: int) -> None:
+        self.engine.update_weights(self.trainer.export_weights(), version)
 
 
 @dataclass
@@ -100,9 +114,11 @@ class Loop:
         trainer: Trainer,
         make_group: Callable[[int], Group],
         reward: Callable[[Group, Response], float],
+        weights: WeightSync | None = None,
     ) -> None:
         self.cfg, self.algo = cfg, algo
         self.engine, self.trainer = engine, trainer
+        self.weights: WeightSync = weights or InMemoryWeights(engine, trainer)
         self.make_group, self.reward = make_group, reward
         self.strategy: Strategy = make_strategy(algo.mode, algo)
         self.buffer = RolloutBuffer()
@@ -127,11 +143,12 @@ class Loop:
         rollout = self.rollout()
         t1 = time.perf_counter()
         groups = self.buffer.pop_finished(self.cfg.batch_groups)
+        self.weights.before_training()
         train_metrics = self.train(groups)
         t2 = time.perf_counter()
         verify_metrics = self.verify()
         t3 = time.perf_counter()
-        self.engine.update_weights(self.trainer.export_weights(), self.version)
+        self.weights.push(self.version)
         t4 = time.perf_counter()
         self.ledger.check(self.buffer)
         self.step += 1
