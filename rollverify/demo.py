@@ -2,7 +2,11 @@
 
 Both runs share one SGLang server (each run first pushes its trainer's initial weights to it), use the same
 seed and the same number of steps, and write their own run folder under the demo's folder; a table and a
-comparison plot follow. Without --out the demo writes to runs/demo, or runs/demo-2, -3, ... when that holds an
+comparison plot follow, then the verdict: each mode's rollout cost against on-policy's in decode iterations
+per step (the engine's sequential forward passes, what rollout time follows on a GPU, where a batch decodes in
+about the time of one sequence) and in wall time (this machine's), each a ratio with its 95 % interval over
+the steps, and the eval rewards with their intervals over the held-out prompts. One seed is one sample: the
+claims of docs/results.md rest on several (tools/compare_seeds.py). Without --out the demo writes to runs/demo, or runs/demo-2, -3, ... when that holds an
 earlier demo; an explicit --out that holds one is refused unless --overwrite.
 """
 
@@ -17,14 +21,16 @@ import time
 from rollverify import rundir
 from rollverify.config import load_config
 from rollverify.console import fmt, quiet_cpu_warnings, say, stage
+from rollverify.evaluate import format_interval
 from rollverify.metrics import load_metrics, plot_comparison
 
 MODES = ("on_policy", "rollverify")
 DEFAULT_OUT = "runs/demo"
 COLUMNS = (
     ("final train reward", "reward_last"),
-    ("eval reward", "eval_last"),
+    ("eval reward", "eval_last"),  # +- 1.96 standard errors over the eval prompts where known
     ("wall s", "wall_s"),
+    ("decode iters/step", "decode_iters"),
     ("rollout s/step", "rollout_s"),
     ("step s", "step_s"),
     ("mean OPS (carried)", "ops_mean"),
@@ -33,9 +39,54 @@ COLUMNS = (
 )
 
 
+def _values(rows: list[dict], key: str) -> list[float]:
+    return [float(r[key]) for r in rows if isinstance(r.get(key), int | float) and math.isfinite(r[key])]
+
+
 def _mean(rows: list[dict], key: str) -> float:
-    vals = [r[key] for r in rows if isinstance(r.get(key), int | float) and math.isfinite(r[key])]
+    vals = _values(rows, key)
     return sum(vals) / len(vals) if vals else float("nan")
+
+
+def _se(rows: list[dict], key: str) -> float:
+    """Standard error of the per-step mean of `key` (NaN with fewer than 2 steps)."""
+    vals = _values(rows, key)
+    if len(vals) < 2:
+        return float("nan")
+    m = sum(vals) / len(vals)
+    return math.sqrt(sum((v - m) ** 2 for v in vals) / (len(vals) - 1) / len(vals))
+
+
+def ratio_interval(a: float, a_se: float, b: float, b_se: float, z: float = 1.96) -> tuple[float, float, float]:
+    """a / b and its z-standard-error interval (delta method: independent a and b, relative errors add in
+    quadrature)."""
+    r = a / b
+    half = z * abs(r) * math.sqrt((a_se / a) ** 2 + (b_se / b) ** 2)
+    return r, r - half, r + half
+
+
+def verdict(results: dict[str, dict], baseline: str = "on_policy") -> list[str]:
+    """One line per mode against the baseline: decode iterations per step and wall step time as ratios with
+    95 % intervals over the steps, eval reward with its interval over the prompts and the difference's."""
+    base = results[baseline]
+    lines = []
+    for mode in [m for m in results if m != baseline]:
+        r = results[mode]
+        parts = []
+        for label, key in (("decode iterations/step", "decode_iters"), ("wall step time", "step_s")):
+            q, lo, hi = ratio_interval(r[key], r.get(f"{key}_se", 0.0), base[key], base.get(f"{key}_se", 0.0))
+            parts.append(f"{label} {fmt(q, '.2f')}x [{fmt(lo, '.2f')}, {fmt(hi, '.2f')}]")
+        ev, ev_se = r.get("eval_last", math.nan), r.get("eval_se", math.nan)
+        bev, bev_se = base.get("eval_last", math.nan), base.get("eval_se", math.nan)
+        if math.isfinite(ev) and math.isfinite(bev):
+            d, d_se = ev - bev, math.sqrt(ev_se**2 + bev_se**2)
+            within = "within the noise" if abs(d) <= 1.96 * d_se else "above" if d > 0 else "below"
+            parts.append(
+                f"eval reward {format_interval(ev, ev_se)} vs {format_interval(bev, bev_se)}: "
+                f"difference {d:+.3f} +- {1.96 * d_se:.3f} ({within})"
+            )
+        lines.append(f"{mode} / {baseline}: " + "; ".join(parts))
+    return lines
 
 
 def _last(rows: list[dict], key: str, n: int = 5) -> float:
@@ -43,12 +94,19 @@ def _last(rows: list[dict], key: str, n: int = 5) -> float:
     return sum(vals[-n:]) / len(vals[-n:]) if vals else float("nan")
 
 
+def _cell(r: dict, key: str) -> str:
+    se = r.get("eval_se") if key == "eval_last" else None
+    if isinstance(se, float) and math.isfinite(se) and math.isfinite(r.get(key, math.nan)):
+        return f"{r[key]:.3f}+-{1.96 * se:.3f}"
+    return fmt(r.get(key), ".3f")
+
+
 def table(results: dict[str, dict]) -> str:
     """One row per mode; `-` where a figure does not apply (no carried responses under on_policy, no eval)."""
     head = f"{'mode':<12}" + "".join(f"{name:>20}" for name, _ in COLUMNS)
     lines = [head, "-" * len(head)]
     for mode, r in results.items():
-        cells = "".join(f"{fmt(r.get(key), '.3f'):>20}" for _, key in COLUMNS)
+        cells = "".join(f"{_cell(r, key):>20}" for _, key in COLUMNS)
         lines.append(f"{mode:<12}{cells}")
     return "\n".join(lines)
 
@@ -80,7 +138,9 @@ def cli_main(argv: list[str] | None = None) -> int:
     from sglang_ext import cpu_compat
     from sglang_ext.launch import ServerStartError, launch_server
 
-    base = [f"trainer.steps={a.steps}", *a.overrides]
+    # one evaluation, at the last step: at the default 512 prompts x 2 samples it costs about as much as a few
+    # steps, and the verdict compares the last one (an override of eval.every still applies)
+    base = [f"trainer.steps={a.steps}", f"eval.every={a.steps}", *a.overrides]
     try:  # a bad mode, override, path or --out stops here, before a server starts or anything is written
         cfg0 = load_config(a.config, base)
         cfg0.check_paths()
@@ -110,12 +170,19 @@ def cli_main(argv: list[str] | None = None) -> int:
             say(f"{mode}: {a.steps} steps -> {out / mode}")
             summary = train(cfg, out / mode, progress=True)
             rows = load_metrics(out / mode)
+            ledger = summary.get("ledger", {})
             results[mode] = {
                 "reward_last": _last(rows, "reward_mean"),
                 "eval_last": _last(rows, "eval_reward", 1),
+                "eval_se": _last(rows, "eval_reward_se", 1),
                 "wall_s": float(summary.get("wall_s", float("nan"))),
+                "decode_iters": _mean(rows, "decode_iters"),
+                "decode_iters_se": _se(rows, "decode_iters"),
                 "rollout_s": _mean(rows, "rollout_s"),
                 "step_s": _mean(rows, "step_s"),
+                "step_s_se": _se(rows, "step_s"),
+                "tokens_generated": float(ledger.get("generated_tokens", float("nan"))),
+                "tokens_trained": float(ledger.get("trained_tokens", float("nan"))),
                 "ops_mean": _mean(rows, "ops_mean"),
                 "trained_ops_mean": _mean(rows, "trained_ops_mean"),
                 "acceptance_rate": _mean(rows, "acceptance_rate"),
@@ -125,9 +192,10 @@ def cli_main(argv: list[str] | None = None) -> int:
     print(table(results))
     print()
     if "on_policy" in results:
-        for mode in [m for m in results if m != "on_policy"]:
-            speed = results[mode]["step_s"] / results["on_policy"]["step_s"]
-            say(f"{mode} mean step time = {fmt(speed, '.2f')} x on-policy's")
+        say("verdict (one seed; 95 % intervals over the steps and the eval prompts; decode iterations are what "
+            "rollout time follows on a GPU, wall time is this machine's):")
+        for line in verdict(results):
+            say(f"  {line}")
     say(f"total {time.perf_counter() - t0:.0f} s")
     (out / "demo.json").write_text(json.dumps(results, indent=1) + "\n")
     say(f"plots: {plot} and {out}/<mode>/plots/")

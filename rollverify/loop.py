@@ -15,7 +15,10 @@ For step k under policy version k:
    that switches to on_policy keeps the verified prefixes of the B groups the next step completes and sends
    every other group back to its prompt, off the engines: the switch wastes at most the backlog of that one
    step, and every later step generates only what it trains.
-4. Resync: the new weights reach the engines, after the truncation decisions.
+4. Resync: the new weights reach the engines, after the truncation decisions. With `algo.verify_on: engine`
+   they reach them before step 3 instead, and the engines compute the new log-probs of the carried tokens
+   (prefilling what resuming needs anyway); the trainer then runs no verification forward.
+
 
 The loop owns the truth about every response (`RolloutBuffer`); the engine is a cache of it, so a crashed
 server costs only the tokens since the last pause. `Ledger.check` holds the accounting invariant after each
@@ -146,9 +149,7 @@ class Loop:
         self.weights.before_training()
         train_metrics = self.train(groups)
         t2 = time.perf_counter()
-        verify_metrics = self.verify()
-        t3 = time.perf_counter()
-        self.weights.push(self.version)
+        verify_metrics, verify_s, sync_s = self._verify_and_sync()
         t4 = time.perf_counter()
         self.ledger.check(self.buffer)
         self.step += 1
@@ -166,8 +167,8 @@ class Loop:
             "n_finished_groups": len(groups),
             "rollout_s": t1 - t0,
             "train_s": t2 - t1,
-            "verify_s": t3 - t2,
-            "sync_s": t4 - t3,
+            "verify_s": verify_s,
+            "sync_s": sync_s,
             "step_s": t4 - t0,
         }
         return StepResult(metrics, groups)
@@ -301,6 +302,24 @@ class Loop:
 
     # --- 3. verify ------------------------------------------------------------------------------------------
 
+    def _verify_and_sync(self) -> tuple[dict[str, Any], float, float]:
+        """Steps 3 and 4 in the order of `algo.verify_on`; returns (verification metrics, verify_s, sync_s).
+
+        trainer: verify (the trainer computes the new log-probs), then the new weights reach the engines.
+        engine: the new weights reach the engines first; they prefill the carried responses under them, which
+        resuming needs anyway, and return the log-probs; the cut prefixes then resume from their cached KV."""
+        engine_side = self.algo.verify_on == "engine"
+        t0 = time.perf_counter()
+        if engine_side:
+            self.weights.push(self.version)
+        t1 = time.perf_counter()
+        metrics = self.verify()
+        t2 = time.perf_counter()
+        if not engine_side:
+            self.weights.push(self.version)
+        t3 = time.perf_counter()
+        return metrics, t2 - t1, (t1 - t0) + (t3 - t2)
+
     def verify(self) -> dict[str, Any]:
         """Verify and cut the carried-over responses; returns the step's verification metrics."""
         carried = self.buffer.carried_over()
@@ -310,7 +329,8 @@ class Loop:
                 "switched": False}
         new_lp = None
         if self.strategy.needs_new_logprobs or self.cfg.monitor_ops:
-            new_lp = self.trainer.compute_logprobs(carried, self.cfg.temperature)
+            new_lp, on_engine = self._new_logprobs(carried)
+            stats["n_logprobs_on_engine"] = on_engine
         outcome = self.strategy.apply(carried, new_lp, self.version)
         cut = self.buffer.apply_truncation(outcome.decisions)
         self.ledger.restarted += int(sum(1 for k in outcome.keep_lengths if k == 0))
@@ -345,6 +365,24 @@ class Loop:
             "switched": bool(outcome.switched),
             **({"switch_reason": outcome.switch_reason} if outcome.switched else {}),
         }
+
+    def _new_logprobs(self, carried: list[Response]) -> tuple[list[np.ndarray], int]:
+        """Log-probs of the carried tokens under the new policy, and how many responses the engines computed.
+
+        With `verify_on: engine` the engines compute them for every response they hold (the weights are
+        already theirs); the trainer computes the rest: responses the engines do not hold (after a restore, a
+        lost server) or lost while computing (None)."""
+        out: list[np.ndarray | None] = [None] * len(carried)
+        tracked = [i for i, r in enumerate(carried) if r.response_id in self.on_engine]
+        if self.algo.verify_on == "engine" and tracked:
+            for i, lp in zip(tracked, self.engine.compute_logprobs([carried[i] for i in tracked]), strict=True):
+                out[i] = lp
+        rest = [i for i, lp in enumerate(out) if lp is None]
+        if rest:
+            for i, lp in zip(rest, self.trainer.compute_logprobs([carried[i] for i in rest], self.cfg.temperature),
+                             strict=True):
+                out[i] = lp
+        return out, len(carried) - len(rest)  # type: ignore[return-value]
 
     def _hold_backlog(self) -> tuple[set[str], int]:
         """At the switch to on_policy: every group but the B the next step completes restarts from its prompt

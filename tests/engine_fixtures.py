@@ -458,10 +458,14 @@ class FakeServer:
         self.thread.start()
         ready.wait(10)
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 10.0) -> None:
         if self.thread.is_alive():
             self.loop.call_soon_threadsafe(self.server.request_stop)
-            self.thread.join(10)
+            self.thread.join(timeout_s)
+
+    def alive(self) -> bool:
+        """Whether it still serves: with `stop` and `endpoint`, the process handle the rollout engine watches."""
+        return self.thread.is_alive()
 
     def crash(self) -> None:
         """Die like a killed process: no more replies or events, nothing shut down gracefully."""

@@ -319,7 +319,7 @@ def test_fake_accounting_through_cycles_and_server_crash():
     rng = random.Random(0)
     s0, s1 = FakeServer(FakeEngine(step_s=0.003)), FakeServer(FakeEngine(step_s=0.003))
     try:
-        with SGLangRolloutEngine([s0.endpoint, s1.endpoint], timeout_s=2.0, poll_wait_s=0.2) as engine:
+        with SGLangRolloutEngine([s0.endpoint, s1.endpoint], processes=[s0, s1], poll_wait_s=0.2) as engine:
             buffer = RolloutBuffer()
             for g in range(15):
                 buffer.add_group(Group.new(g, [3, 4, 5 + g % 7], 4, rng.randint(100, 300)))
@@ -342,7 +342,7 @@ def test_fake_accounting_through_cycles_and_server_crash():
             time.sleep(0.03)
             s1.crash()
             held = {r.response_id: r.num_tokens for r in buffer.pending()}
-            while not engine.faults:  # its event poll goes unanswered for timeout_s
+            while not engine.faults:  # noticed as a launched process that exited (no relaunch: abandoned)
                 rec.take(engine.wait_finished(0.2))
             lost = engine.lost()
             assert engine.faults[0]["lost"] == sorted(lost) and not engine.faults[0]["restarted"]
@@ -365,7 +365,7 @@ def test_fake_ids_of_a_lost_server_go_to_the_loop():
     or a drop of one is skipped, afterwards it is an error; a cut one resubmitted resumes elsewhere."""
     s0, s1 = FakeServer(FakeEngine(step_s=0.002)), FakeServer(FakeEngine(step_s=0.002))
     try:
-        with SGLangRolloutEngine([s0.endpoint, s1.endpoint], timeout_s=1.0, poll_wait_s=0.1) as engine:
+        with SGLangRolloutEngine([s0.endpoint, s1.endpoint], processes=[s0, s1], poll_wait_s=0.1) as engine:
             buffer = RolloutBuffer()
             for g in range(2):
                 buffer.add_group(Group.new(g, [3, 4, 5], 2, 6))

@@ -3,9 +3,13 @@
     for s in 0 1 2; do rollverify demo --modes on_policy partial rollverify --out runs/seeds/s$s seed=$s; done
     python tools/compare_seeds.py runs/seeds/s0 runs/seeds/s1 runs/seeds/s2 --json runs/seeds/summary.json
 
-Against the loop issue's targets it prints: RollVerify's mean step time over on-policy's (per seed and pooled),
-whether its eval reward lies within on-policy's spread over the seeds, and the mean OPS of the trained tokens
-next to naive partial rollout's.
+Against the targets of issues 5 and 17 it prints, each per seed and as mean [min, max] over the seeds:
+RollVerify's decode iterations per step over on-policy's (the hardware-neutral rollout time: the engine's
+sequential decode iterations, what rollout time follows on a GPU) and its wall step time over on-policy's (this
+machine's), whether its eval reward lies within on-policy's spread over the seeds (each eval figure with its
+own standard error over the prompts), the mean OPS of the trained tokens against naive partial rollout's, and
+the tokens each mode generated per token it trained ((trained + cut) / trained: a run's last carried responses,
+still in flight when it stops, are neither).
 """
 
 from __future__ import annotations
@@ -18,7 +22,18 @@ from pathlib import Path
 
 from rollverify.metrics import load_metrics
 
-FIGURES = ("reward_last", "eval_last", "step_s", "rollout_s", "ops_mean", "trained_ops_mean", "acceptance_rate")
+FIGURES = (
+    "reward_last",
+    "eval_last",
+    "eval_se",
+    "decode_iters",
+    "step_s",
+    "rollout_s",
+    "ops_mean",
+    "trained_ops_mean",
+    "acceptance_rate",
+    "generated_per_trained",
+)
 
 
 def _finite(xs: list[float]) -> list[float]:
@@ -32,7 +47,16 @@ def collect(dirs: list[Path]) -> dict[str, list[dict]]:
         results = json.loads((d / "demo.json").read_text())
         for mode, r in results.items():
             rows = load_metrics(d / mode)
-            r = {**r, "switched_at": next((x["step"] for x in rows if x.get("switched")), None), "seed_dir": str(d)}
+            ledger = json.loads((d / mode / "summary.json").read_text()).get("ledger", {})
+            trained = ledger.get("trained_tokens") or float("nan")
+            r = {
+                **r,
+                # tokens generated per token trained, the responses still in flight at the end left out (they
+                # are trained later): (trained + cut) / trained
+                "generated_per_trained": (trained + ledger.get("cut_tokens", 0)) / trained,
+                "switched_at": next((x["step"] for x in rows if x.get("switched")), None),
+                "seed_dir": str(d),
+            }
             runs.setdefault(mode, []).append(r)
     return runs
 
@@ -48,10 +72,15 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
         out["modes"][mode]["switched_at"] = [r["switched_at"] for r in rs]
     m = out["modes"]
     if "on_policy" in m and "rollverify" in m:
-        ratios = [rv["step_s"] / op["step_s"] for rv, op in zip(runs["rollverify"], runs["on_policy"], strict=True)]
+        pairs = list(zip(runs["rollverify"], runs["on_policy"], strict=True))
+        ratios = [rv["step_s"] / op["step_s"] for rv, op in pairs]
+        iters = [rv.get("decode_iters", float("nan")) / op.get("decode_iters", float("nan")) for rv, op in pairs]
         ev = m["on_policy"].get("eval_last", {})
         rv_eval = m["rollverify"].get("eval_last", {}).get("mean", float("nan"))
         out["targets"] = {
+            "decode_iters_ratio_per_seed": iters,
+            "decode_iters_ratio": _spread(iters),
+            "decode_iters_target": 0.6,
             "step_time_ratio_per_seed": ratios,
             "step_time_ratio_pooled": m["rollverify"]["step_s"]["mean"] / m["on_policy"]["step_s"]["mean"],
             "step_time_target": 0.6,
@@ -60,11 +89,23 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
             # the target: not below on-policy's spread (above it is better than on-policy, not a miss)
             "rollverify_eval_vs_spread": "below" if rv_eval < ev["min"] else "above" if rv_eval > ev["max"] else "within",
         }
-        if "partial" in m and "trained_ops_mean" in m["partial"]:
-            out["targets"]["trained_ops"] = {
-                k: m[k]["trained_ops_mean"]["mean"] for k in ("partial", "rollverify") if "trained_ops_mean" in m[k]
-            }
+        if "partial" in m and "trained_ops_mean" in m["partial"] and "trained_ops_mean" in m["rollverify"]:
+            out["targets"]["trained_ops"] = {k: m[k]["trained_ops_mean"]["mean"] for k in ("partial", "rollverify")}
+            per_seed = [
+                p["trained_ops_mean"] / rv["trained_ops_mean"]
+                for p, rv in zip(runs["partial"], runs["rollverify"], strict=True)
+            ]
+            out["targets"]["trained_ops_partial_over_rollverify_per_seed"] = per_seed
+            out["targets"]["trained_ops_partial_over_rollverify"] = _spread(per_seed)
+            out["targets"]["trained_ops_target"] = 3.0
     return out
+
+
+def _spread(xs: list[float]) -> dict:
+    v = _finite(xs)
+    if not v:
+        return {"mean": float("nan"), "min": float("nan"), "max": float("nan")}
+    return {"mean": statistics.fmean(v), "min": min(v), "max": max(v)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,13 +125,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'switched at step':<18}" + "".join(f"{str(s['modes'][m]['switched_at']):>28}" for m in s["modes"]))
     if "targets" in s:
         t = s["targets"]
-        print(f"\nstep time rollverify / on_policy: pooled {t['step_time_ratio_pooled']:.2f} (target <= 0.6), "
+        d = t["decode_iters_ratio"]
+        print(f"\ndecode iterations per step rollverify / on_policy: {d['mean']:.2f} [{d['min']:.2f}, {d['max']:.2f}] "
+              f"(target <= 0.6), per seed {', '.join(f'{x:.2f}' for x in t['decode_iters_ratio_per_seed'])}")
+        print(f"wall step time rollverify / on_policy (this machine): pooled {t['step_time_ratio_pooled']:.2f}, "
               f"per seed {', '.join(f'{x:.2f}' for x in t['step_time_ratio_per_seed'])}")
         lo, hi = t["on_policy_eval_spread"]
         print(f"eval reward: rollverify mean {t['rollverify_eval_mean']:.3f}, on_policy spread [{lo:.3f}, {hi:.3f}]"
               f" -> {t['rollverify_eval_vs_spread']}")
         if "trained_ops" in t:
-            print("mean OPS of trained tokens: " + ", ".join(f"{k} {v:.2e}" for k, v in t["trained_ops"].items()))
+            o = t["trained_ops_partial_over_rollverify"]
+            print("mean OPS of trained tokens: " + ", ".join(f"{k} {v:.2e}" for k, v in t["trained_ops"].items())
+                  + f"; partial / rollverify {o['mean']:.1f}x [{o['min']:.1f}, {o['max']:.1f}] (target >= 3)")
     if a.json:
         a.json.write_text(json.dumps(s, indent=1) + "\n")
         print(f"\nwritten: {a.json}")
