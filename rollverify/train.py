@@ -128,6 +128,7 @@ class Run:
             self.trainer,
             make_group=self.make_group,
             reward=self.reward,
+            weights=self._weight_sync(),
         )
 
     # --- wiring -------------------------------------------------------------------------------------------
@@ -139,6 +140,15 @@ class Run:
         from megatron_bridge.loop_adapter import LoopTrainer
 
         return LoopTrainer(start_trainer(self.cfg, self.model_path))
+
+    def _weight_sync(self):
+        """The transport of the cluster layout (the local launcher: None, the loop's in-memory buckets)."""
+        from sglang_ext.weight_transport import weight_sync_for
+
+        c = self.cfg.cluster
+        tp = int(self.cfg.rollout.engine_args.get("tp_size", 1))
+        return weight_sync_for(c.launcher, c.placement, self.engine, self.trainer, server_tp=tp,
+                               timeout_s=self.cfg.rollout.server_timeout_s)
 
     def make_group(self, group_id: int) -> Group:
         while len(self._train_examples) <= group_id:  # group ids index the task's train stream

@@ -461,8 +461,11 @@ def part_b(env: Env, smoke: Smoke) -> None:
         smoke.run("pause_truncate_resume", lambda: _pause_truncate_resume(server.endpoint))
         smoke.run("weight_update", lambda: _weight_update(server.endpoint, path, env))
         smoke.run("logprob_floor_vs_d_s", lambda: _logprob_floor(server.endpoint, path, env, dtype))
+        for kind in ("ipc", "distributed"):
+            smoke.run(f"transport_{kind}", lambda kind=kind: _transport(server.endpoint, path, env, dtype, kind))
     finally:
         server.stop()
+    smoke.run("memory_release_resume", lambda: _memory_handoff(path, env, dtype, args))
 
 
 def _record(buffer, chunks) -> None:
@@ -599,6 +602,81 @@ def _logprob_floor(endpoint: str, path: str, env: Env, dtype: str, d_s: float = 
     return Check("", above == 0.0, f"token OPS mean {ops.mean():.2e}, p99 {np.quantile(ops, 0.99):.2e}; response "
                  f"mean OPS max {max(per_response):.2e} vs d_s = {d_s}: {above:.0%} of responses at or above",
                  float(ops.mean()), detail={"response_mean_ops": per_response})
+
+
+def _transport(endpoint: str, path: str, env: Env, dtype: str, kind: str) -> Check:
+    """A stepped trainer on this GPU streams its weights through a GPU transport (`ipc`: CUDA IPC handles of
+    flattened buckets, no host copy; `distributed`: SGLang's weight-update group over NCCL); then the engine's
+    sampled log-probs equal the trainer's (bf16 floor) and the tokens carry the new version."""
+    import numpy as np
+
+    from rollverify.buffer import RolloutBuffer
+    from rollverify.types import Group
+    from sglang_ext.protocol import WireSamplingParams
+    from sglang_ext.rollout_engine import SGLangRolloutEngine
+    from sglang_ext.weight_transport import TransportSpec
+
+    version = {"ipc": 21, "distributed": 22}[kind]
+    seqs = random_sequences(4, 128, 8, [24, 24, 24, 24])
+    trainer = make_trainer(path, env, dtype, lr=2e-2)
+    try:
+        lps, _ = trainer.compute_logprobs(seqs)
+        for s_, lp in zip(seqs, np.split(lps, np.cumsum([q.gen_ids.size for q in seqs])[:-1]), strict=True):
+            s_.rollout_logprobs, s_.advantage = lp, 1.0
+        trainer.train_step(seqs)  # new weights, so the transport visibly moves them
+        buffer = RolloutBuffer()
+        prompt = np.array([20, 21, 22, 23], np.int64)
+        buffer.add_group(Group.new(0, prompt, 1, 48))
+        tr = buffer.get("0-0")
+        spec = TransportSpec(kind, (endpoint,), master_addr="127.0.0.1", group=f"smoke-{kind}")
+        with SGLangRolloutEngine([endpoint], poll_wait_s=0.2) as engine:
+            engine.pause()
+            t = time.perf_counter()
+            stats = trainer.send_weights(spec, version, 8 << 20)
+            dt = time.perf_counter() - t
+            engine.resume()
+            engine.submit([tr], WireSamplingParams(temperature=1.0, ignore_eos=True))
+            _finish(engine, buffer, [tr], 120)
+            engine.drop(["0-0"])
+        lp, _ = trainer.compute_logprobs([_as_train_sequence(prompt, tr.token_ids)])
+    finally:
+        trainer.close()
+    d = float(np.abs(lp - tr.logprobs).mean())
+    ok = bool((tr.versions == version).all()) and d < 2e-2
+    return Check("", ok, f"{stats['sync_bytes'] / 2**20:.1f} MiB in {int(stats['sync_buckets'])} buckets in "
+                 f"{dt:.2f} s; versions after {sorted(set(tr.versions.tolist()))}; mean |engine lp - trainer lp| "
+                 f"= {d:.1e} (< 2e-2)", d)
+
+
+def _memory_handoff(path: str, env: Env, dtype: str, args: list[str]) -> Check:
+    """A server with SGLang's memory saver gives its weights and KV cache back to the GPU on `memory release`
+    and takes them again on `resume` (the colocated handoff); the free device memory shows it."""
+    import torch
+
+    from sglang_ext.launch import launch_server
+    from sglang_ext.rollout_engine import SGLangRolloutEngine
+    from sglang_ext.weight_transport import ServerControl, TransportSpec
+
+    server = launch_server(path, args=args, engine_args={"enable_memory_saver": True},
+                           log_path=env.workdir / "server-memory-saver.log")
+    try:
+        with SGLangRolloutEngine([server.endpoint], poll_wait_s=0.2) as engine:
+            engine.pause()
+            control = ServerControl(TransportSpec("ipc", (server.endpoint,)), [0])
+            try:
+                free0 = torch.cuda.mem_get_info()[0]
+                control.call_all("memory", {"action": "release", "tags": []}, "release")
+                free1 = torch.cuda.mem_get_info()[0]
+                control.call_all("memory", {"action": "resume", "tags": []}, "resume")
+                free2 = torch.cuda.mem_get_info()[0]
+            finally:
+                control.close()
+            engine.resume()
+    finally:
+        server.stop()
+    freed, taken = (free1 - free0) / 2**30, (free1 - free2) / 2**30
+    return Check("", freed > 0.5 and taken > 0.5, f"release freed {freed:.2f} GiB, resume took {taken:.2f} GiB "
+                 "(needs torch_memory_saver installed)", freed)
 
 
 # ---------------------------------------------------------------------------------------------- main
