@@ -340,6 +340,16 @@ class RunConfig:
             raise ConfigError(f"trainer.ep: must divide tp*dp = {t.tp * t.dp} (Megatron-Core), got {t.ep}")
         if t.ep > 1 and m.path is None and not m.moe:
             raise ConfigError("trainer.ep: expert parallelism needs an MoE model (model.moe: true)")
+        if self.algo.verify_on == "engine" and r.temperature != 1.0:
+            raise ConfigError(
+                f"algo.verify_on: engine needs rollout.temperature 1, got {r.temperature}: SGLang's prefill log-probs "
+                "are untempered, so only then do they match the sampled ones; set algo.verify_on=trainer"
+            )
+        if self.algo.verify_on == "engine" and t.replay_verify:
+            raise ConfigError(
+                "trainer.replay_verify: with algo.verify_on: engine the engines compute the new log-probs with free "
+                "routing; set trainer.replay_verify=false or algo.verify_on=trainer"
+            )
         if t.min_lr > t.lr:
             raise ConfigError(f"trainer.min_lr: must be <= trainer.lr ({t.lr}), got {t.min_lr}")
         if t.optimizer != "adam" and t.use_distributed_optimizer:

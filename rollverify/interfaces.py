@@ -69,6 +69,11 @@ class RolloutEngine(Protocol):
     def update_weights(self, buckets: Iterator[list[tuple[str, object]]], version: int) -> None:
         """Load the new policy's HF-named tensors, bucket by bucket; later tokens record `version`."""
 
+    def compute_logprobs(self, responses: Sequence[Response]) -> list[np.ndarray | None]:
+        """Log-probs (float32) of each tracked response's generated tokens under the current weights, in the
+        semantics of those it sampled them with (`algo.verify_on: engine`); None for one whose server was lost
+        meanwhile. Nothing may be generating (pause first)."""
+
     def lost(self) -> list[str]:
         """Ids the engine stopped holding since the last call because their server was lost (what it generated
         since their last report is gone); the loop resubmits the unfinished ones from its buffer."""

@@ -19,7 +19,6 @@ For step k under policy version k:
    they reach them before step 3 instead, and the engines compute the new log-probs of the carried tokens
    (prefilling what resuming needs anyway); the trainer then runs no verification forward.
 
-
 The loop owns the truth about every response (`RolloutBuffer`); the engine is a cache of it, so a crashed
 server costs only the tokens since the last pause. `Ledger.check` holds the accounting invariant after each
 step: every launched response is in the training data, carried over, or was dropped; no token is counted

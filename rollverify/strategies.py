@@ -29,6 +29,7 @@ from rollverify.verify import VerifyResult, token_ops, two_stage_verify_ops
 
 MODES = ("on_policy", "partial", "staleness_filter", "ops_filter", "rollverify")
 ESTIMATORS = ("window", "ema")
+VERIFY_ON = ("trainer", "engine")  # who computes the new log-probs of carried tokens (rollverify/loop.py)
 
 NewLogprobs = Sequence[np.ndarray | Tensor] | Tensor | None
 
@@ -49,6 +50,9 @@ class AlgoConfig:
     switch_tau: float = 0.5
     switch_estimator: str = "window"  # or "ema"
     ema_alpha: float = 0.2
+    # trainer: a forward pass on the trainer after the step; engine: the engines prefill the carried responses
+    # under the new weights (which resuming them needs anyway) and return their log-probs
+    verify_on: str = "trainer"
 
     def __post_init__(self) -> None:
         def bad(key: str, allowed: str) -> ValueError:
@@ -73,6 +77,8 @@ class AlgoConfig:
             raise bad("switch_estimator", f"one of {ESTIMATORS}")
         if not isinstance(self.ema_alpha, int | float) or not 0 < self.ema_alpha <= 1:
             raise bad("ema_alpha", "a number in (0, 1]")
+        if self.verify_on not in VERIFY_ON:
+            raise bad("verify_on", f"one of {VERIFY_ON}")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> AlgoConfig:
