@@ -53,12 +53,20 @@ class RolloutBuffer:
         *,
         finish_reason: str | None = None,
         finished: bool | None = None,
+        offset: int | None = None,
     ) -> bool:
         """Append one rollout output to its response; True when that completes the response's group.
 
-        ``finished`` defaults to ``finish_reason in ("stop", "length")``.
+        ``finished`` defaults to ``finish_reason in ("stop", "length")``. ``offset``, where the engine says the
+        output starts, must be the response's length: the buffer is the controller's one copy, and an output
+        that does not continue it is a lost or duplicated delta.
         """
         response = self.get(response_id)
+        if offset is not None and offset != response.num_tokens:
+            raise ValueError(
+                f"response {response_id}: the engine's output starts at token {offset} but the buffer holds "
+                f"{response.num_tokens}"
+            )
         response.append(token_ids, logprobs, versions, routed_experts, finish_reason=finish_reason, finished=finished)
         return self._note(self.groups[response.group_id])
 

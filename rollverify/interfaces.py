@@ -41,6 +41,7 @@ class Chunk:
     finish_reason: str | None  # "stop" | "length" when finished, "error" on failure, None when paused
     prompt_routed_experts: np.ndarray | None = None  # int32 [prompt_len - 1, layers, top_k], first chunk only
     error: str | None = None
+    offset: int | None = None  # where the chunk starts in its response, when the engine knows (the buffer checks)
 
 
 class RolloutEngine(Protocol):
@@ -94,6 +95,7 @@ class Trainer(Protocol):
     def save(self, path: str) -> None: ...
 
     def load(self, path: str) -> None: ...
+
 
 class WeightSync(Protocol):
     """How a new policy reaches the engine, and (colocated) how the engine and the trainer take turns on the GPUs.

@@ -271,7 +271,8 @@ class Loop:
             if c.prompt_routed_experts is not None and response.prompt_routed_experts is None:
                 response.prompt_routed_experts = c.prompt_routed_experts
             self.buffer.record(
-                c.response_id, c.token_ids, c.logprobs, c.versions, c.routed_experts, finish_reason=c.finish_reason
+                c.response_id, c.token_ids, c.logprobs, c.versions, c.routed_experts, finish_reason=c.finish_reason,
+                offset=c.offset,
             )
             self.ledger.generated_tokens += len(c.token_ids)
             self._longest_chunk = max(self._longest_chunk, len(c.token_ids))

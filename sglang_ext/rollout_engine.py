@@ -275,7 +275,7 @@ class SGLangRolloutEngine:
         where = self.where
         versions = batch.versions.astype(np.int64)
         routes = None if batch.routed_experts is None else batch.routed_experts.astype(np.int32)
-        bounds = batch.bounds.tolist()
+        bounds, offsets = batch.bounds.tolist(), batch.offsets.tolist()
         chunks = []
         for i, rid in enumerate(batch.rids):
             if where.get(rid) is not s:
@@ -283,7 +283,7 @@ class SGLangRolloutEngine:
             a, b = bounds[i], bounds[i + 1]
             chunks.append(Chunk(rid, batch.token_ids[a:b], batch.logprobs[a:b], versions[a:b],
                                 None if routes is None else routes[a:b], batch.finish[i],
-                                batch.prompt_routes.get(i), batch.errors.get(i)))
+                                batch.prompt_routes.get(i), batch.errors.get(i), offsets[i]))
         return chunks
 
     def _push(self, buckets: Iterable[Iterable[tuple[str, Any]]], version: int, servers: list[ServerSlot]) -> None:

@@ -73,6 +73,10 @@ def test_lookup_and_duplicate_errors():
         b.get("x")
     with pytest.raises(ValueError, match="group 0 is already in the buffer"):
         b.add_group(Group.new(0, [1], 1, 4))
+    with pytest.raises(ValueError, match="starts at token 2 but the buffer holds 3"):  # a delta lost or repeated
+        b.record("2-0", [4], [-0.1], 1, offset=2)
+    b.record("2-0", [4], [-0.1], 1, offset=3)
+    assert b.get("2-0").num_tokens == 4
 
 
 def assert_same(a: RolloutBuffer, b: RolloutBuffer):

@@ -231,7 +231,7 @@ def test_200_responses_through_5_cycles_exact_accounting(dense_server, moe_serve
         nonlocal delivered
         for c in chunks:
             buffer.record(c.response_id, c.token_ids, c.logprobs, c.versions, c.routed_experts,
-                          finish_reason=c.finish_reason)  # checks lengths and the budget
+                          finish_reason=c.finish_reason, offset=c.offset)  # checks offsets, lengths, budgets
             delivered += len(c.token_ids)
             if c.finish_reason is not None:
                 finishes[c.response_id] = finishes.get(c.response_id, 0) + 1

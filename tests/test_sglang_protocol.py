@@ -277,7 +277,7 @@ class Recorder:
             if c.prompt_routed_experts is not None and r.prompt_routed_experts is None:
                 r.prompt_routed_experts = c.prompt_routed_experts
             self.buffer.record(c.response_id, c.token_ids, c.logprobs, c.versions, c.routed_experts,
-                               finish_reason=c.finish_reason)
+                               finish_reason=c.finish_reason, offset=c.offset)
             if r.finished:
                 self.finished[c.response_id] = r.num_tokens
         return list(chunks)

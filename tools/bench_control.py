@@ -124,7 +124,7 @@ def channel_round(engine, n: int, plen: int, run_s: float, xlen: int, tag: str) 
     pause_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     for c in chunks:
-        buffer.record(c.response_id, c.token_ids, c.logprobs, c.versions, c.routed_experts)
+        buffer.record(c.response_id, c.token_ids, c.logprobs, c.versions, c.routed_experts, offset=c.offset)
     buffer_s = time.perf_counter() - t0
     body = engine.last_pause[0]
     out = {

@@ -471,7 +471,7 @@ def part_b(env: Env, smoke: Smoke) -> None:
 def _record(buffer, chunks) -> None:
     for c in chunks:
         buffer.record(c.response_id, c.token_ids, c.logprobs, c.versions, c.routed_experts,
-                      finish_reason=c.finish_reason)
+                      finish_reason=c.finish_reason, offset=c.offset)
 
 
 def _finish(engine, buffer, responses, timeout_s: float = 300.0) -> None:
