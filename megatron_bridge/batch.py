@@ -75,9 +75,10 @@ def plan_micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
     return groups
 
 
-def make_micro_batch(seqs: list[TrainSequence], index: list[int], pad_to_multiple: int = 1) -> MicroBatch:
+def make_micro_batch(seqs: list[TrainSequence], index: list[int], pad_to_multiple: int = 1,
+                     segment_multiple: int = 1) -> MicroBatch:
     inputs = [torch.from_numpy(np.concatenate([seqs[i].prompt_ids, seqs[i].gen_ids])[:-1]) for i in index]
-    packed = PackedSequences.pack(inputs, pad_to_multiple)
+    packed = PackedSequences.pack(inputs, pad_to_multiple, segment_multiple)
     rows, targets, counts = [], [], []
     for k, i in enumerate(index):
         s = seqs[i]

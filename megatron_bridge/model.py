@@ -161,9 +161,15 @@ def recompute_options(recompute: str, moe: bool) -> dict:
     return {}
 
 
-def check_layout(arch: ModelArch, *, tp: int = 1, ep: int = 1, pp: int = 1) -> None:
-    """Refuse a parallel layout this model cannot be split into, naming every number that does not divide."""
+def check_layout(arch: ModelArch, *, tp: int = 1, ep: int = 1, pp: int = 1, cp: int = 1) -> None:
+    """Refuse a parallel layout this model cannot be split into, naming every number that does not divide.
+
+    Context parallelism splits every packed sequence (padded to a multiple of 2 * cp), so it needs nothing to
+    divide; the trainer runs it for dense models only."""
     problems = []
+    if cp > 1 and arch.moe:
+        problems.append(f"cp={cp} is for dense models (context parallelism with MoE routing replay is not "
+                        f"implemented): use cp=1 with {arch.architecture}")
     if arch.vocab_size % tp:
         problems.append(f"vocab_size {arch.vocab_size} is not divisible by tp={tp}")
     if arch.num_heads % tp or arch.num_kv_heads % tp:
@@ -176,11 +182,11 @@ def check_layout(arch: ModelArch, *, tp: int = 1, ep: int = 1, pp: int = 1) -> N
     if arch.num_layers % pp:
         problems.append(f"num_layers {arch.num_layers} is not divisible by pp={pp}")
     if problems:
-        raise UnsupportedCheckpoint(f"parallel layout tp={tp} ep={ep} pp={pp} cannot split this "
+        raise UnsupportedCheckpoint(f"parallel layout tp={tp} ep={ep} pp={pp} cp={cp} cannot split this "
                                     f"{arch.architecture}: " + "; ".join(problems))
 
 
-def transformer_config(arch: ModelArch, *, tp: int = 1, ep: int = 1, pp: int = 1, etp: int = 1,
+def transformer_config(arch: ModelArch, *, tp: int = 1, ep: int = 1, pp: int = 1, etp: int = 1, cp: int = 1,
                        sequence_parallel: bool = False, dtype: torch.dtype = torch.float32,
                        routing_replay: bool = True, dispatcher: str = "alltoall", init_weights: bool = False,
                        recompute: str = "none"):
@@ -192,7 +198,7 @@ def transformer_config(arch: ModelArch, *, tp: int = 1, ep: int = 1, pp: int = 1
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
-    check_layout(arch, tp=tp, ep=ep, pp=pp)
+    check_layout(arch, tp=tp, ep=ep, pp=pp, cp=cp)
     kw = dict(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -213,6 +219,7 @@ def transformer_config(arch: ModelArch, *, tp: int = 1, ep: int = 1, pp: int = 1
         pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
+        context_parallel_size=cp,
         sequence_parallel=sequence_parallel,
         use_cpu_initialization=True,
         perform_initialization=init_weights,  # normally the weights come from the checkpoint
@@ -346,7 +353,9 @@ class PackedSequences:
     `cu_seqlens` delimits the sequences; attention (`attention.PackedCoreAttention`) is causal inside each and
     nothing crosses a boundary, and RoPE restarts at 0 for each (Megatron-Core's THD RoPE path), so every
     sequence sees exactly what it would see alone. Padding to a multiple (for sequence parallelism) is one
-    more segment at the end. Nothing here is quadratic in T.
+    more segment at the end. Under context parallelism every segment is padded at its end to a multiple of
+    2 * cp (tokens after a sequence's last one change nothing before them) and split by `context_parallel_index`.
+    Nothing here is quadratic in T.
     """
 
     input_ids: torch.Tensor  # [1, T] int64
@@ -356,19 +365,39 @@ class PackedSequences:
     places: list[tuple[int, int]]  # per sequence: (row = 0, start column)
 
     @staticmethod
-    def pack(sequences: list[torch.Tensor], pad_to_multiple: int = 1) -> PackedSequences:
+    def pack(sequences: list[torch.Tensor], pad_to_multiple: int = 1, segment_multiple: int = 1) -> PackedSequences:
+        """Pack end to end; each segment padded to a multiple of `segment_multiple`, the pack to one of
+        `pad_to_multiple` (which `segment_multiple` must divide)."""
         lengths = [int(x.numel()) for x in sequences]
         if not lengths or min(lengths) < 1:
             raise ValueError(f"packing needs >= 1 sequence of >= 1 token, got lengths {lengths}")
-        starts = np.cumsum([0, *lengths]).tolist()
+        if pad_to_multiple % segment_multiple:
+            raise ValueError(f"pad_to_multiple {pad_to_multiple} is not a multiple of segment_multiple "
+                             f"{segment_multiple}")
+        starts = np.cumsum([0, *(n + (-n) % segment_multiple for n in lengths)]).tolist()
         total = starts[-1]
         pad = (-total) % pad_to_multiple
         bounds = starts + ([total + pad] if pad else [])
         ids = torch.zeros(1, total + pad, dtype=torch.long)
-        ids[0, :total] = torch.cat([x.long().view(-1) for x in sequences])
+        for x, st in zip(sequences, starts, strict=False):
+            ids[0, st:st + x.numel()] = x.long().view(-1)
         pos = torch.cat([torch.arange(b - a) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]).view(1, -1)
         return PackedSequences(ids, pos, torch.tensor(bounds, dtype=torch.int32), lengths,
                                [(0, st) for st in starts[:-1]])
+
+    def context_parallel_index(self, cp: int, rank: int) -> torch.Tensor:
+        """Positions of the pack that context-parallel rank `rank` of `cp` holds, in its order: of every
+        segment, chunks `rank` and `2 * cp - 1 - rank` of 2 * cp equal chunks (Megatron-Core's causal load
+        balance, which its THD RoPE assumes)."""
+        bounds = self.cu_seqlens.tolist()
+        out = []
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+            if (b - a) % (2 * cp):
+                raise ValueError(f"a segment of {b - a} tokens does not split into 2 * cp = {2 * cp} chunks")
+            c = (b - a) // (2 * cp)
+            out += [torch.arange(a + rank * c, a + (rank + 1) * c),
+                    torch.arange(a + (2 * cp - 1 - rank) * c, a + (2 * cp - rank) * c)]
+        return torch.cat(out)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -391,11 +420,17 @@ class PackedSequences:
         return self.places[i][1] + offset + torch.arange(count)
 
 
-def packed_forward(model, batch: PackedSequences, device: torch.device | str = "cpu") -> torch.Tensor:
+def packed_forward(model, batch: PackedSequences, device: torch.device | str = "cpu",
+                   tokens: torch.Tensor | None = None) -> torch.Tensor:
     """The model's output [1, T, ...] for a pack: logits [1, T, vocab/tp] (this TP rank's vocab slice), or
-    hidden states [1, T, hidden] when the output layer is deferred (`logprobs.defer_output_layer`)."""
-    return model(input_ids=batch.input_ids.to(device), position_ids=batch.position_ids.to(device),
-                 attention_mask=None, packed_seq_params=batch.seq_params(device))
+    hidden states [1, T, hidden] when the output layer is deferred (`logprobs.defer_output_layer`).
+    Under context parallelism `tokens` are this rank's positions (`context_parallel_index`) and the output
+    covers those only; the sequence boundaries stay the whole pack's."""
+    ids, pos = batch.input_ids, batch.position_ids
+    if tokens is not None:
+        ids, pos = ids[:, tokens], pos[:, tokens]
+    return model(input_ids=ids.to(device), position_ids=pos.to(device), attention_mask=None,
+                 packed_seq_params=batch.seq_params(device))
 
 
 def unwrap(model):

@@ -30,20 +30,22 @@ class ParallelConfig:
     ep: int = 1
     pp: int = 1
     etp: int = 1  # expert tensor parallelism; 1 keeps each expert whole on one rank
+    cp: int = 1  # context parallelism: every packed sequence split over cp ranks
 
     def model_parallel_size(self) -> int:
-        return self.tp * self.pp
+        return self.tp * self.pp * self.cp
 
     def check(self, world_size: int) -> int:
         """Validate against `world_size`; returns the data-parallel size."""
-        for name in ("tp", "ep", "pp", "etp"):
+        for name in ("tp", "ep", "pp", "etp", "cp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if world_size % (self.tp * self.pp):
-            raise ValueError(f"world size {world_size} is not divisible by tp*pp = {self.tp * self.pp}")
-        dp = world_size // (self.tp * self.pp)
-        if (self.tp * dp) % (self.ep * self.etp):
-            raise ValueError(f"ep*etp = {self.ep * self.etp} must divide tp*dp = {self.tp * dp}")
+        mp = self.model_parallel_size()
+        if world_size % mp:
+            raise ValueError(f"world size {world_size} is not divisible by tp*pp*cp = {mp}")
+        dp = world_size // mp
+        if (self.tp * self.cp * dp) % (self.ep * self.etp):
+            raise ValueError(f"ep*etp = {self.ep * self.etp} must divide tp*cp*dp = {self.tp * self.cp * dp}")
         return dp
 
 
@@ -103,6 +105,7 @@ def init_parallel(
         pipeline_model_parallel_size=cfg.pp,
         expert_model_parallel_size=cfg.ep,
         expert_tensor_parallel_size=cfg.etp,
+        context_parallel_size=cfg.cp,
         create_gloo_process_groups=True,
         distributed_timeout_minutes=max(1, round(timeout_s / 60)),
     )

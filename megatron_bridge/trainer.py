@@ -92,7 +92,7 @@ class MegatronTrainer:
         if cfg.optimizer != "adam" and cfg.use_distributed_optimizer:
             raise ValueError("Megatron-Core's distributed optimizer supports Adam only: set "
                              "use_distributed_optimizer=False for optimizer='sgd'")
-        check_layout(self.arch, tp=cfg.tp, ep=cfg.ep, pp=cfg.pp)
+        check_layout(self.arch, tp=cfg.tp, ep=cfg.ep, pp=cfg.pp, cp=cfg.cp)
         if cfg.max_seq_len < 0 or cfg.logprob_chunk_tokens < 1:
             raise ValueError(f"max_seq_len must be >= 0 (0: the model's context) and logprob_chunk_tokens >= 1; "
                              f"got {cfg.max_seq_len} and {cfg.logprob_chunk_tokens}")
@@ -100,7 +100,7 @@ class MegatronTrainer:
             raise ValueError(f"recompute={cfg.recompute!r} with MoE routing replay is not supported: the recomputed "
                              f"forward would route freely; set recompute='none' or replay_train=False")
         recompute_options(cfg.recompute, self.arch.moe)  # a bad value fails here, before any process group
-        self.pcfg = ParallelConfig(tp=cfg.tp, ep=cfg.ep, pp=cfg.pp)
+        self.pcfg = ParallelConfig(tp=cfg.tp, ep=cfg.ep, pp=cfg.pp, cp=cfg.cp)
         init_parallel(self.pcfg, device=self.device.type, seed=seed, timeout_s=cfg.dist_timeout_s)
         from megatron.core import parallel_state as ps
 
@@ -108,7 +108,8 @@ class MegatronTrainer:
         self.dp = ps.get_data_parallel_world_size()
         self.dp_rank = ps.get_data_parallel_rank()
         self.layout = convert.Layout.current()
-        self.tconfig = transformer_config(self.arch, tp=cfg.tp, ep=cfg.ep, pp=cfg.pp, dtype=self.dtype,
+        self.cp_rank = ps.get_context_parallel_rank()
+        self.tconfig = transformer_config(self.arch, tp=cfg.tp, ep=cfg.ep, pp=cfg.pp, cp=cfg.cp, dtype=self.dtype,
                                           recompute=cfg.recompute, sequence_parallel=cfg.sequence_parallel)
         self.tconfig.calculate_per_token_loss = True
         model = build_model(self.arch, self.tconfig)
@@ -181,21 +182,27 @@ class MegatronTrainer:
 
     @property
     def _pad_to(self) -> int:
-        """Packs are padded to a multiple of this (sequence parallelism splits them evenly over TP)."""
-        return self.cfg.tp if self.cfg.sequence_parallel else 1
+        """Packs are padded to a multiple of this (sequence parallelism splits each CP rank's tokens evenly
+        over TP)."""
+        return (self.cfg.tp if self.cfg.sequence_parallel else 1) * self._segment_multiple
+
+    @property
+    def _segment_multiple(self) -> int:
+        """Every packed sequence is padded to a multiple of this (context parallelism: 2 * cp equal chunks)."""
+        return 2 * self.cfg.cp if self.cfg.cp > 1 else 1
 
     _DUMMY = TrainSequence(prompt_ids=np.zeros(1, np.int64), gen_ids=np.zeros(1, np.int64))
 
     def _micro_batch(self, seqs: list[TrainSequence], index: list[int], use_replay: bool) -> MicroBatch:
         if not index:  # empty filler: one 1-token row, no generated tokens counted
-            mb = make_micro_batch([self._DUMMY], [0], pad_to_multiple=self._pad_to)
+            mb = make_micro_batch([self._DUMMY], [0], self._pad_to, self._segment_multiple)
             mb.seq_index, mb.gen_counts = [], []
             mb.gen_rows, mb.gen_targets = mb.gen_rows[:0], mb.gen_targets[:0]
             if use_replay:
                 mb.routes = [torch.arange(self.arch.top_k).view(1, -1).repeat(mb.packed.num_tokens(), 1)
                              for _ in range(self.arch.num_layers)]
             return mb
-        mb = make_micro_batch(seqs, index, pad_to_multiple=self._pad_to)
+        mb = make_micro_batch(seqs, index, self._pad_to, self._segment_multiple)
         if use_replay:
             replay.attach_routes(mb, seqs, self.arch.num_layers, self.arch.top_k, self.arch.num_experts)
         return mb
@@ -210,8 +217,9 @@ class MegatronTrainer:
             if self.cfg.sequence_parallel:  # each TP rank routes its own slice of the tokens
                 per = mb.packed.num_tokens() // self.cfg.tp
                 sp_slice = slice(self.layout.tp_rank * per, (self.layout.tp_rank + 1) * per)
+            tokens = mb.packed.context_parallel_index(self.cfg.cp, self.cp_rank) if self.cfg.cp > 1 else None
             with replay.replaying(mb.routes, self._moe_layer_offset, sp_slice=sp_slice, device=dev):
-                out = packed_forward(model, mb.packed, dev)
+                out = packed_forward(model, mb.packed, dev, tokens=tokens)
 
             def loss_func(output):
                 return loss_of_mb(mb, output)
@@ -221,8 +229,23 @@ class MegatronTrainer:
         return step
 
     def _token_stats(self, mb: MicroBatch, output: torch.Tensor, temperature: float):
-        """Log-probs and entropies of the generated tokens from the last stage's hidden states [1, T, H]."""
-        hidden = output.reshape(-1, output.shape[-1]).index_select(0, mb.gen_rows.to(output.device))  # [N, H]
+        """Log-probs and entropies of the generated tokens from the last stage's hidden states [1, T, H].
+
+        Under context parallelism the hidden states of every CP rank are gathered first, so each rank computes
+        the whole micro-batch's loss: the gather's backward sums the CP ranks' (equal) gradients into each
+        rank's tokens, and Megatron-Core divides by the token count summed over DP x CP, so the gradient is
+        the loss's own."""
+        hidden = output.reshape(-1, output.shape[-1])
+        rows = mb.gen_rows
+        if self.cfg.cp > 1:
+            from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+            hidden = gather_from_sequence_parallel_region(hidden, True, group=self.ps.get_context_parallel_group())
+            order = torch.cat([mb.packed.context_parallel_index(self.cfg.cp, r) for r in range(self.cfg.cp)])
+            where = torch.empty_like(order)
+            where[order] = torch.arange(order.numel())  # gathered row of each pack position
+            rows = where[rows]
+        hidden = hidden.index_select(0, rows.to(output.device))  # [N, H]
         tp_group = self.ps.get_tensor_model_parallel_group() if self.cfg.tp > 1 else None
         return chunked_logprob_entropy(hidden, output_weight(unwrap(self.model)), mb.gen_targets.to(output.device),
                                        temperature=temperature, tp_group=tp_group,
@@ -234,7 +257,7 @@ class MegatronTrainer:
         fb = get_forward_backward_func()
         if self.cfg.pp > 1 and len({mb.packed.shape[0] for mb in mbs}) > 1:
             raise AssertionError("pipeline stages exchange [S, B, H]: rows per micro-batch must be equal under PP")
-        seq_len = max(mb.packed.shape[1] for mb in mbs)
+        seq_len = max(mb.packed.shape[1] for mb in mbs) // self.cfg.cp  # tokens on this CP rank
         out = fb(forward_step_func=self._forward_step(loss_of_mb), data_iterator=iter(mbs), model=[self.model],
                  num_microbatches=len(mbs), seq_length=seq_len, micro_batch_size=mbs[0].packed.shape[0],
                  forward_only=forward_only)

@@ -139,7 +139,8 @@ class TrainerConfig:
     tp: int = _f(1, ge=1)  # tensor parallel
     pp: int = _f(1, ge=1)  # pipeline parallel
     ep: int = _f(1, ge=1)  # expert parallel (carved out of tp*dp, as in Megatron-Core)
-    dp: int = _f(1, ge=1)  # data parallel; world size = tp * pp * dp
+    dp: int = _f(1, ge=1)  # data parallel; world size = tp * pp * cp * dp
+    cp: int = _f(1, ge=1)  # context parallel: every packed sequence split over cp ranks (dense models)
     micro_batch_tokens: int = _f(4096, ge=1)  # packed tokens per micro-batch
     replay_verify: bool = False  # MoE: replay the engine's routes when computing log-probs for verification
     replay_train: bool = True  # MoE: routing replay (R3) for the old-log-prob recompute and the training step
@@ -158,7 +159,7 @@ class TrainerConfig:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.cp * self.dp
 
 
 @dataclass
@@ -336,8 +337,9 @@ class RunConfig:
             raise ConfigError(
                 f"rollout.max_live: must be >= rollout.n ({r.n}) so one group fits, got {r.max_live}"
             )
-        if (t.tp * t.dp) % t.ep:
-            raise ConfigError(f"trainer.ep: must divide tp*dp = {t.tp * t.dp} (Megatron-Core), got {t.ep}")
+        if (t.tp * t.cp * t.dp) % t.ep:
+            span = "tp*dp" if t.cp == 1 else "tp*cp*dp"
+            raise ConfigError(f"trainer.ep: must divide {span} = {t.tp * t.cp * t.dp} (Megatron-Core), got {t.ep}")
         if t.ep > 1 and m.path is None and not m.moe:
             raise ConfigError("trainer.ep: expert parallelism needs an MoE model (model.moe: true)")
         if self.algo.verify_on == "engine" and r.temperature != 1.0:

@@ -152,8 +152,8 @@ class TrainerLayout:
     @staticmethod
     def of(cfg: RunConfig) -> TrainerLayout:
         t = cfg.trainer
-        # etp and cp are not trainer options yet: the trainer runs them at 1.
-        return TrainerLayout(tp=t.tp, pp=t.pp, dp=t.dp, ep=t.ep, sequence_parallel=t.sequence_parallel,
+        # etp is not a trainer option yet: the trainer runs it at 1.
+        return TrainerLayout(tp=t.tp, pp=t.pp, dp=t.dp, ep=t.ep, cp=t.cp, sequence_parallel=t.sequence_parallel,
                              recompute=t.recompute,
                              micro_batch_tokens=t.micro_batch_tokens, logprob_chunk_tokens=t.logprob_chunk_tokens,
                              replay_train=t.replay_train)
@@ -166,9 +166,9 @@ def layout_problems(a: ModelArch, lay: TrainerLayout) -> list[str]:
 
     out = []
     try:
-        check_layout(a, tp=lay.tp, ep=lay.ep, pp=lay.pp)
+        check_layout(a, tp=lay.tp, ep=lay.ep, pp=lay.pp, cp=lay.cp)
     except UnsupportedCheckpoint as e:
-        out.append(f"trainer.tp/ep/pp: {e}")
+        out.append(f"trainer.tp/ep/pp/cp: {e}")
     # MegatronTrainer: MoE under TP needs SP, and ep > 1 so that the whole experts' gradients are reduced over TP
     if a.moe and lay.tp > 1 and (not lay.sequence_parallel or lay.ep == 1):
         out.append(f"trainer.tp = {lay.tp}: the trainer runs MoE under TP only with trainer.sequence_parallel=true "

@@ -190,6 +190,8 @@ def test_bad_input_fails_before_any_forward_naming_the_numbers(dense):
     with pytest.raises(UnsupportedCheckpoint, match=r"tp=3 .*vocab_size 128 is not divisible by tp=3; attention "
                                                     r"heads 4 / key-value heads 2 are not both divisible"):
         check_layout(arch, tp=3)
+    with pytest.raises(UnsupportedCheckpoint, match=r"cp=2 is for dense models .* use cp=1 with Qwen3MoeForCausalLM"):
+        check_layout(ModelArch.from_hf_dir(tiny_path(moe=True)), cp=2)
     with pytest.raises(UnsupportedCheckpoint, match="num_layers 2 is not divisible by pp=4"):
         _trainer(tiny_path(), pp=4)  # refused before any process group or model is built
     with pytest.raises(UnsupportedCheckpoint, match=r"MoE with tp=2 > 1 needs sequence_parallel=True and ep > 1 "
@@ -244,8 +246,9 @@ def _single(moe: bool, tied: bool) -> dict:
 
 @pytest.mark.parametrize(("layout", "moe", "tied"), [(dict(tp=2, sequence_parallel=True), False, False),
                                                      (dict(pp=2), False, True), (dict(ep=2), True, False),
-                                                     (dict(tp=2, ep=2, sequence_parallel=True), True, False)],
-                         ids=["tp2-sp-dense", "pp2-tied", "ep2-moe-replay", "tp2-ep2-sp-moe-replay"])
+                                                     (dict(tp=2, ep=2, sequence_parallel=True), True, False),
+                                                     (dict(cp=2), False, False)],
+                         ids=["tp2-sp-dense", "pp2-tied", "ep2-moe-replay", "tp2-ep2-sp-moe-replay", "cp2-dense"])
 def test_world_size_2_step_equals_single_process_step(layout, moe, tied):
     from megatron_bridge.spawned import SpawnedTrainer
     from megatron_bridge.trainer import TrainerConfig
