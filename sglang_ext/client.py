@@ -245,6 +245,23 @@ class ServerConnection:
     async def flush(self) -> dict:
         return (await self.call("flush")).body
 
+    async def compute_logprobs(
+        self, rids: Sequence[str], expect_version: int | None = None
+    ) -> tuple[list[np.ndarray], dict]:
+        """Each response's log-probs under the served weights (one float32 array per id, in order) and the
+        reply body (`version`, `tokens`, `engine_s`)."""
+        body: dict[str, Any] = {"rids": list(rids)}
+        if expect_version is not None:
+            body["expect_version"] = int(expect_version)
+        msg = await self.call("compute_logprobs", body)
+        counts = msg.array("counts", ["int32"], 1)
+        flat = msg.array("logprobs", ["float32"], 1)
+        if len(counts) != len(rids) or int(counts.sum()) != len(flat):
+            raise ControlError("MALFORMED", "compute_logprobs: the reply's buffers do not match the ids", self.endpoint)
+        bounds = np.concatenate([[0], np.cumsum(counts)]).tolist()
+        flat = flat.copy()  # the frame belongs to the socket
+        return [flat[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)], msg.body
+
     async def stats(self, engine: bool = False) -> dict:
         return (await self.call("stats", {"engine": engine})).body
 

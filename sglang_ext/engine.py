@@ -432,6 +432,48 @@ class EngineHandle:
             ftype, err = "error", str(fr.get("message"))
         return GenResult(ids, logprobs, routes, ftype, matched if isinstance(matched, int) else None, err)
 
+    async def input_logprobs(self, rid: str, input_ids: list[int], start: int) -> np.ndarray:
+        """Log-probs (float32) of `input_ids[start:]` under the served weights, each at the position before it.
+
+        One prefill-only request (`max_new_tokens` 0, nothing sampled): SGLang's input log-probs, asked from
+        `start - 1` on, since its first entry is the shifted-out position and carries no value. They are
+        `log_softmax(logits)`, never tempered (SGLang 0.5.23 applies the temperature to output log-probs only).
+        The request's KV enters the prefix (radix) cache when it ends, so a later request for a prefix of
+        `input_ids` prefills only what follows the cached part. Raises RuntimeError when SGLang refuses the
+        request or answers with other tokens or another count than asked."""
+        from sglang.srt.managers.io_struct import GenerateReqInput
+
+        if not 1 <= start <= len(input_ids):
+            raise ValueError(f"start {start} must be in [1, {len(input_ids)}] (the first input token has no log-prob)")
+        if start == len(input_ids):
+            return np.zeros(0, np.float32)
+        obj = GenerateReqInput(
+            input_ids=input_ids,
+            sampling_params={"max_new_tokens": 0},
+            return_logprob=True,
+            logprob_start_len=start - 1,
+            rid=rid,
+        )
+        gen = self.tm.generate_request(obj, None)
+        try:
+            out = await gen.__anext__()
+        except (ValueError, RuntimeError) as e:
+            raise RuntimeError(f"SGLang refused the log-prob request {rid}: {e}") from e
+        finally:
+            await gen.aclose()
+        meta = out["meta_info"]
+        fr = meta.get("finish_reason") or {}
+        if isinstance(fr, dict) and fr.get("type") == "abort":
+            raise RuntimeError(f"SGLang aborted the log-prob request {rid}: {fr.get('message')}")
+        entries = (meta.get("input_token_logprobs") or [])[1:]
+        want = input_ids[start:]
+        if len(entries) != len(want) or any(e[1] != t for e, t in zip(entries, want, strict=False)):
+            raise RuntimeError(
+                f"SGLang returned {len(entries)} input log-probs for request {rid}, not those of the {len(want)} "
+                f"tokens asked for"
+            )
+        return np.fromiter((e[0] for e in entries), dtype=np.float32, count=len(entries))
+
     def abort_all(self) -> None:
         self.tm.abort_request(abort_all=True)
 

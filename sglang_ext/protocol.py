@@ -514,6 +514,13 @@ class FlushBody(_Body):
     pass
 
 
+class ComputeLogprobsBody(_Body):
+    """Log-probs of the named responses' tokens under the served weights (sglang_ext/ops/logprobs.py)."""
+
+    rids: list[Rid] = Field(min_length=1, max_length=MAX_ITEMS)
+    expect_version: Version | None = None
+
+
 class StatsBody(_Body):
     engine: bool = False  # also ask SGLang for its load snapshot (one round trip to the scheduler)
 
@@ -541,6 +548,7 @@ BODIES: dict[str, type[BaseModel]] = {
     "update_weights": UpdateWeightsBody,
     "update_weights_from_disk": UpdateWeightsFromDiskBody,
     "flush": FlushBody,
+    "compute_logprobs": ComputeLogprobsBody,
     "weights_group": WeightsGroupBody,
     "update_weights_distributed": DistributedBucketBody,
     "update_weights_ipc": IpcBucketBody,

@@ -161,6 +161,30 @@ class SGLangRolloutEngine:
             self._push(self.weight_source(), version, self.pool.alive())
         self.version = version
 
+    def compute_logprobs(self, responses: Sequence[Response]) -> list[np.ndarray | None]:
+        """Each response's log-probs under the weights the servers serve now, computed by the server that holds
+        it (`compute_logprobs` in docs/protocol.md); None for a response whose server was lost."""
+        self._check_servers()
+        plan: dict[ServerSlot, list[str]] = {}
+        for r in responses:
+            s = self._holder(r.response_id)
+            if s is not None:
+                plan.setdefault(s, []).append(r.response_id)
+        results = self._settle(
+            self.pool.fan({s: s.conn.compute_logprobs(rids, expect_version=self.version) for s, rids in plan.items()})
+        )
+        got: dict[str, np.ndarray] = {}
+        for s, (lps, _) in results.items():
+            got.update(zip(plan[s], lps, strict=True))
+        out = [got.get(r.response_id) for r in responses]
+        for r, lp in zip(responses, out, strict=True):
+            if lp is not None and len(lp) != r.num_tokens:
+                raise RuntimeError(
+                    f"rollout engine: response {r.response_id} has {r.num_tokens} tokens but its server returned "
+                    f"{len(lp)} log-probs"
+                )
+        return out
+
     def lost(self) -> list[str]:
         """Ids the engine stopped holding since the last call because their server was lost."""
         ids, self._lost = self._lost, []

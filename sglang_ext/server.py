@@ -30,6 +30,7 @@ from typing import Any
 from sglang_ext.dispatch import Dispatcher, OpGroup
 from sglang_ext.ops.admin import AdminOps
 from sglang_ext.ops.generation import GenerationOps
+from sglang_ext.ops.logprobs import LogprobOps
 from sglang_ext.ops.transport import TransportOps
 from sglang_ext.ops.weights import WeightOps
 from sglang_ext.protocol import PROTOCOL_VERSION
@@ -54,7 +55,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 # every op group the server registers; a new group is one more entry (see sglang_ext/ops/__init__.py)
-OP_GROUPS: tuple[Callable[[ControlServer], OpGroup], ...] = (GenerationOps, WeightOps, TransportOps, AdminOps)
+OP_GROUPS: tuple[Callable[[ControlServer], OpGroup], ...] = (GenerationOps, WeightOps, TransportOps, LogprobOps, AdminOps)
 
 
 class ControlServer:
