@@ -148,7 +148,7 @@ class Run:
         c = self.cfg.cluster
         tp = int(self.cfg.rollout.engine_args.get("tp_size", 1))
         return weight_sync_for(c.launcher, c.placement, self.engine, self.trainer, server_tp=tp,
-                               timeout_s=self.cfg.rollout.server_timeout_s)
+                               trainer_ranks=self.cfg.trainer.world_size, timeout_s=self.cfg.rollout.server_timeout_s)
 
     def make_group(self, group_id: int) -> Group:
         while len(self._train_examples) <= group_id:  # group ids index the task's train stream

@@ -53,7 +53,10 @@ class TransportSpec:
     `group` names the weight-update group (distributed): a new name makes a new group, as when a server was
     replaced. `master_addr` is the source rank's address the servers connect to (default: its host's address);
     `backend` defaults to NCCL with a GPU, gloo without. `ipc_sources[i]` is the trainer rank colocated with
-    server i (its first GPU), which sends it every bucket (default: rank 0 for every server)."""
+    server i (its first GPU), which sends it every bucket (default: rank 0 for every server). With several
+    source ranks each commits its own servers once they have loaded every bucket; the ranks do not agree on the
+    commit among themselves, so a failure on one leaves the others' servers on the new version (each server
+    still whole)."""
 
     kind: Literal["distributed", "ipc"]
     endpoints: tuple[str, ...]
@@ -302,8 +305,10 @@ class TransportWeights:
 
     def __init__(self, engine: Any, trainer: Any, kind: Literal["distributed", "ipc"], *, colocated: bool,
                  server_tp: int = 1, master_addr: str | None = None, backend: str | None = None,
-                 bucket_bytes: int = 64 << 20, timeout_s: float = 300.0, trainer_memory: Any = None) -> None:
+                 bucket_bytes: int = 64 << 20, timeout_s: float = 300.0, trainer_memory: Any = None,
+                 trainer_ranks: int = 1) -> None:
         self.engine, self.trainer, self.kind, self.colocated = engine, trainer, kind, colocated
+        self.trainer_ranks = trainer_ranks
         self.server_tp, self.master_addr, self.backend = server_tp, master_addr, backend
         self.bucket_bytes, self.timeout_s, self.trainer_memory = bucket_bytes, timeout_s, trainer_memory
         self._group: tuple[tuple[str, ...], str] | None = None  # endpoints of the current group and its name
@@ -317,9 +322,13 @@ class TransportWeights:
             import uuid
 
             self._group = (endpoints, f"rollverify-weights-{uuid.uuid4().hex[:12]}")
+        # colocated, GPU by GPU: trainer rank r on the layout's GPU r, server i from GPU i * tp (slime's layout:
+        # rollout from offset 0); server i's buckets come from the rank on its first GPU
+        sources = tuple(i * self.server_tp if i * self.server_tp < self.trainer_ranks else 0
+                        for i in range(len(live)))
         return TransportSpec(self.kind, endpoints, tuple(c for _, c in live), (self.server_tp,) * len(live),
                              group=self._group[1], backend=self.backend, master_addr=self.master_addr,
-                             timeout_s=self.timeout_s)
+                             ipc_sources=sources if self.kind == "ipc" else (), timeout_s=self.timeout_s)
 
     def before_training(self) -> None:
         if not self.colocated:
