@@ -17,6 +17,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
+from sglang_ext.channel import Channel
 from sglang_ext.protocol import (
     BODIES,
     PROTOCOL_VERSION,
@@ -30,7 +31,6 @@ from sglang_ext.protocol import (
     error_header,
     parse_body,
 )
-from sglang_ext.transport import Transport
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +51,11 @@ class Dispatcher:
 
     def __init__(
         self,
-        transport: Transport,
+        channel: Channel,
         spawn: Callable[[Awaitable[Any]], asyncio.Task],
         stopping: Callable[[], bool],
     ):
-        self.transport = transport
+        self.channel = channel
         self._spawn = spawn
         self._stopping = stopping
         self.handlers: dict[str, Handler] = {}
@@ -85,12 +85,12 @@ class Dispatcher:
         try:
             msg = decode(frames[1:], request=True)
         except ProtocolError as e:
-            self.transport.send(identity, error_header(e.req_id, e.req_type, e))
+            self.channel.send(identity, error_header(e.req_id, e.req_type, e))
             return
         except Exception as e:  # a parser fault must cost one error reply, never the server
             log.exception("decoding a request failed")
             err = ProtocolError(ErrorCode.MALFORMED, f"unreadable request: {type(e).__name__}")
-            self.transport.send(identity, error_header(None, None, err))
+            self.channel.send(identity, error_header(None, None, err))
             return
         typ = msg.header.type
         if typ not in BODIES:
@@ -98,7 +98,7 @@ class Dispatcher:
             err = ProtocolError(
                 ErrorCode.UNKNOWN_TYPE, f"unknown message type {shown!r}; known: {sorted(BODIES)}"
             )
-            self.transport.send(identity, error_header(msg.header.id, shown, err))
+            self.channel.send(identity, error_header(msg.header.id, shown, err))
             return
         received = (time.perf_counter(), time.time())
         if typ in QUERY_TYPES:
@@ -126,12 +126,12 @@ class Dispatcher:
             # wall-clock stamps: with the client's own, they split a call's latency into its two hops
             reply_body["received_at"], reply_body["sent_at"] = received[1], time.time()
             header = Header(proto=PROTOCOL_VERSION, id=msg.header.id, type=typ, ok=True, body=reply_body)
-            self.transport.send(identity, header, arrays, raw)
+            self.channel.send(identity, header, arrays, raw)
         except ProtocolError as e:
-            self.transport.send(identity, error_header(msg.header.id, typ, e))
+            self.channel.send(identity, error_header(msg.header.id, typ, e))
         except Exception as e:
             log.exception("%s failed", typ)
             err = ProtocolError(
                 ErrorCode.ENGINE_ERROR, f"{typ} failed in the server: {type(e).__name__}: {e}"
             )
-            self.transport.send(identity, error_header(msg.header.id, typ, err))
+            self.channel.send(identity, error_header(msg.header.id, typ, err))

@@ -6,7 +6,7 @@ every live response from prompt + kept tokens under the current weights; weight 
 before any of them reaches SGLang. Commands run one at a time in arrival order; queries (events, stats, health,
 fetch, weights) are answered beside them.
 
-`ControlServer` assembles the parts, each in its own module: `transport` (socket, CURVE, framing), `dispatch`
+`ControlServer` assembles the parts, each in its own module: `channel` (socket, CURVE, framing), `dispatch`
 (decoding, the op table, the command worker, error replies), `records` (the responses and their engine
 requests) and the op groups of `sglang_ext.ops`, listed in `OP_GROUPS` (how to add one: `sglang_ext/ops/__init__.py`).
 `serve_config` holds the configuration and its checks; this module the `serve` entry and its command line.
@@ -27,6 +27,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from sglang_ext.channel import Channel
 from sglang_ext.dispatch import Dispatcher, OpGroup
 from sglang_ext.ops.admin import AdminOps
 from sglang_ext.ops.generation import GenerationOps
@@ -37,7 +38,6 @@ from sglang_ext.protocol import PROTOCOL_VERSION
 from sglang_ext.records import EngineCalls, Records
 from sglang_ext.serve_config import ServeConfig, ServeConfigError, check_config, check_endpoint
 from sglang_ext.store import State
-from sglang_ext.transport import Transport
 
 __all__ = [
     "OP_GROUPS",
@@ -70,17 +70,17 @@ class ControlServer:
         self._stop = asyncio.Event()
         self._stopping = False
         self._tasks: set[asyncio.Task] = set()
-        self.transport = Transport(cfg)
+        self.channel = Channel(cfg)
         self.engine_calls = EngineCalls(getattr(engine, "set_idle", None))
         self.records = Records(engine, cfg.version, self.engine_calls, self.spawn)
-        self.dispatcher = Dispatcher(self.transport, self.spawn, lambda: self._stopping)
+        self.dispatcher = Dispatcher(self.channel, self.spawn, lambda: self._stopping)
         for group in OP_GROUPS:
             self.dispatcher.register(group(self).handlers())
         self.dispatcher.check_complete()
 
     @property
     def endpoint(self) -> str | None:
-        return self.transport.endpoint
+        return self.channel.endpoint
 
     @property
     def stopping(self) -> bool:
@@ -88,7 +88,7 @@ class ControlServer:
 
     def bind(self) -> str:
         """Create and bind the socket (before the loop runs, so a taken port fails fast)."""
-        return self.transport.bind()
+        return self.channel.bind()
 
     def spawn(self, coro: Awaitable[Any]) -> asyncio.Task:
         """A task the teardown cancels if it is still running."""
@@ -105,7 +105,7 @@ class ControlServer:
 
     async def run(self) -> None:
         """Serve until shutdown (a command, SIGTERM/SIGINT, or the parent's death with exit_with_parent)."""
-        if self.transport.sock is None:
+        if self.channel.sock is None:
             self.bind()
         loop = asyncio.get_running_loop()
         prepare = getattr(self.engine, "prepare", None)
@@ -125,7 +125,7 @@ class ControlServer:
         recv = None
         try:
             while not self._stop.is_set():
-                recv = asyncio.ensure_future(self.transport.recv())
+                recv = asyncio.ensure_future(self.channel.recv())
                 stop = asyncio.ensure_future(self._stop.wait())
                 done, _ = await asyncio.wait({recv, stop}, return_when=asyncio.FIRST_COMPLETED)
                 stop.cancel()
@@ -145,7 +145,7 @@ class ControlServer:
         await asyncio.sleep(0.05)  # let the shutdown reply leave
         for t in list(self._tasks):
             t.cancel()
-        self.transport.close()
+        self.channel.close()
         log.info("control channel closed")
 
     async def _watch_parent(self, parent: int) -> None:

@@ -471,7 +471,7 @@ class FakeServer:
         """Die like a killed process: no more replies or events, nothing shut down gracefully."""
 
         def die() -> None:
-            self.server.transport.sock.close(linger=0)
+            self.server.channel.sock.close(linger=0)
             self.loop.stop()
 
         if self.thread.is_alive():

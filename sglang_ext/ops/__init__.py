@@ -1,5 +1,7 @@
 """The server's ops, one module per group of jobs: `generation` (submit, pause, resume, truncate, drop, events,
-fetch), `weights` (update_weights, update_weights_from_disk, flush), `admin` (stats, weights, health, shutdown).
+fetch; `submit` reads and checks a submit), `weights` (update_weights, update_weights_from_disk, flush),
+`transport` (weights_group, update_weights_distributed, update_weights_ipc, memory), `logprobs`
+(compute_logprobs), `admin` (stats, weights, health, shutdown).
 
 An op group is a class built from the `ControlServer` (`Group(server)`) whose `handlers()` maps message types
 to coroutines `handler(body, msg) -> (reply body, named buffers or None, raw frames or None)`. A handler reads

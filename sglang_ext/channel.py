@@ -15,7 +15,7 @@ from sglang_ext.serve_config import ServeConfig, ServeConfigError, bind_address
 log = logging.getLogger(__name__)
 
 
-class Transport:
+class Channel:
     """The ROUTER socket of one server: bind (with CURVE when configured), receive frames, send replies."""
 
     def __init__(self, cfg: ServeConfig):
