@@ -2,8 +2,8 @@
 
 A record (`store.Record`) is `paused` (live, no engine request), `running` (exactly one engine request in flight,
 its task on the record) or `finished` (its final delta queued as an event). Every generated token enters the
-record through `_absorb`, stamped with the weights version its request was launched under; what the controller
-has not yet seen leaves it through `Record.take_delta`, exactly once.
+record through `_absorb`, stamped with the weights version its request was launched under, and is reported to
+the controller exactly once (the record's `reported` mark: a pause reply, a finish event).
 
 `EngineCalls` counts engine calls in flight: SGLang runs at its idle niceness only while none is.
 """
