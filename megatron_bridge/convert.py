@@ -9,7 +9,8 @@ name(s), its Megatron-Core name and how it is split across ranks:
 * `qkv`  q/k/v fused per query group `[q heads of group g, k_g, v_g]` and split by groups over TP;
 * `glu`  gate/up fused as `[gate shard, up shard]` per TP rank.
 
-Experts (etp = 1) live whole on the EP rank that owns them; layers on the pipeline stage that owns them.
+Experts live on the EP rank that owns them, split over the expert-TP group like their dense counterparts
+(`glu` / `row1`; whole with etp = 1); layers on the pipeline stage that owns them.
 
 Loading reads only this rank's slice of each tensor (`safe_open(...).get_slice`), so no rank ever holds a second
 full copy of the model, and checks every shape against the config before the first copy: a bad checkpoint
@@ -107,6 +108,8 @@ class Layout:
     ep_rank: int
     pp: int
     pp_rank: int
+    etp: int = 1
+    etp_rank: int = 0
 
     @staticmethod
     def current() -> Layout:
@@ -114,7 +117,8 @@ class Layout:
 
         return Layout(ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(),
                       ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank(),
-                      ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank())
+                      ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank(),
+                      ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank())
 
 
 def _stage_of(entry: Entry, arch: ModelArch, pp: int) -> int:
@@ -142,9 +146,11 @@ def _local_name(entry: Entry, arch: ModelArch, lay: Layout) -> str | None:
 
 
 def _tp_split(entry: Entry, lay: Layout) -> tuple[int, int]:
-    """(tp size, tp rank) that shard this entry: experts are not TP-split (etp = 1)."""
-    if entry.kind == "rep" or entry.expert is not None:
+    """(size, rank) of the tensor-parallel split of this entry: TP, or expert TP for experts."""
+    if entry.kind == "rep":
         return 1, 0
+    if entry.expert is not None:
+        return lay.etp, lay.etp_rank
     return lay.tp, lay.tp_rank
 
 
@@ -361,6 +367,7 @@ def iter_hf_tensors(model, arch: ModelArch, layout: Layout | None = None,
     ref = next(iter(params.values()))
     device, pdtype = ref.device, ref.dtype
     tp_group = ps.get_tensor_model_parallel_group() if lay.tp > 1 else None
+    etp_group = ps.get_expert_tensor_parallel_group() if lay.etp > 1 else None
     ep_group = ps.get_expert_model_parallel_group() if lay.ep > 1 else None
     pp_group = ps.get_pipeline_model_parallel_group() if lay.pp > 1 else None
     for e in _entries(arch):
@@ -370,7 +377,7 @@ def iter_hf_tensors(model, arch: ModelArch, layout: Layout | None = None,
         full: list[torch.Tensor] | None = None
         if local is not None:
             t = params[local].detach()
-            parts = _gather_tp(t, 0, tp_group) if tp > 1 else [t]
+            parts = _gather_tp(t, 0, etp_group if e.expert is not None else tp_group) if tp > 1 else [t]
             full = _assemble(e, parts, arch)
         if e.expert is not None and lay.ep > 1:
             owner = e.expert // (arch.num_experts // lay.ep)

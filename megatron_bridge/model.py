@@ -161,7 +161,7 @@ def recompute_options(recompute: str, moe: bool) -> dict:
     return {}
 
 
-def check_layout(arch: ModelArch, *, tp: int = 1, ep: int = 1, pp: int = 1, cp: int = 1) -> None:
+def check_layout(arch: ModelArch, *, tp: int = 1, ep: int = 1, pp: int = 1, cp: int = 1, etp: int = 1) -> None:
     """Refuse a parallel layout this model cannot be split into, naming every number that does not divide.
 
     Context parallelism splits every packed sequence (padded to a multiple of 2 * cp), so it needs nothing to
@@ -177,12 +177,14 @@ def check_layout(arch: ModelArch, *, tp: int = 1, ep: int = 1, pp: int = 1, cp: 
                         f"divisible by tp={tp}")
     if arch.moe and arch.num_experts % ep:
         problems.append(f"num_experts {arch.num_experts} is not divisible by ep={ep}")
-    if not arch.moe and ep > 1:
-        problems.append(f"ep={ep} needs a MoE model ({arch.architecture} has no experts)")
+    if not arch.moe and ep * etp > 1:
+        problems.append(f"ep={ep} / etp={etp} need a MoE model ({arch.architecture} has no experts)")
+    if arch.moe and arch.moe_intermediate_size % etp:
+        problems.append(f"moe_intermediate_size {arch.moe_intermediate_size} is not divisible by etp={etp}")
     if arch.num_layers % pp:
         problems.append(f"num_layers {arch.num_layers} is not divisible by pp={pp}")
     if problems:
-        raise UnsupportedCheckpoint(f"parallel layout tp={tp} ep={ep} pp={pp} cp={cp} cannot split this "
+        raise UnsupportedCheckpoint(f"parallel layout tp={tp} ep={ep} pp={pp} cp={cp} etp={etp} cannot split this "
                                     f"{arch.architecture}: " + "; ".join(problems))
 
 
@@ -198,7 +200,7 @@ def transformer_config(arch: ModelArch, *, tp: int = 1, ep: int = 1, pp: int = 1
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
-    check_layout(arch, tp=tp, ep=ep, pp=pp, cp=cp)
+    check_layout(arch, tp=tp, ep=ep, pp=pp, cp=cp, etp=etp)
     kw = dict(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,

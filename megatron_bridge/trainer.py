@@ -83,16 +83,17 @@ class MegatronTrainer:
         self.dtype = resolve_dtype(dtype, self.device.type)
         if cfg.sequence_parallel and cfg.tp == 1:
             raise ValueError("sequence_parallel needs tp > 1 (it splits the sequence over the TP group)")
-        if self.arch.moe and cfg.tp > 1 and (not cfg.sequence_parallel or cfg.ep == 1):
-            # Megatron-Core trains MoE under TP only with sequence parallelism. Experts stay whole (expert tensor
-            # parallel 1); with ep == 1 they would be copies on every TP rank, each seeing its own tokens, and
-            # Megatron-Core reduces expert gradients over TP only for expert-parallel weights (ep > 1)
-            raise UnsupportedCheckpoint(f"MoE with tp={cfg.tp} > 1 needs sequence_parallel=True and ep > 1 (got "
-                                        f"sequence_parallel={cfg.sequence_parallel}, ep={cfg.ep})")
+        if self.arch.moe and cfg.tp > 1 and (not cfg.sequence_parallel or cfg.ep * cfg.etp == 1):
+            # Megatron-Core trains MoE under TP only with sequence parallelism. With ep == etp == 1 the whole
+            # experts would be copies on every TP rank, each seeing its own tokens, and Megatron-Core reduces
+            # expert gradients over TP only for expert-parallel or expert-tensor-parallel weights
+            raise UnsupportedCheckpoint(f"MoE with tp={cfg.tp} > 1 needs sequence_parallel=True and ep > 1 or "
+                                        f"etp > 1 (got sequence_parallel={cfg.sequence_parallel}, ep={cfg.ep}, "
+                                        f"etp={cfg.etp})")
         if cfg.optimizer != "adam" and cfg.use_distributed_optimizer:
             raise ValueError("Megatron-Core's distributed optimizer supports Adam only: set "
                              "use_distributed_optimizer=False for optimizer='sgd'")
-        check_layout(self.arch, tp=cfg.tp, ep=cfg.ep, pp=cfg.pp, cp=cfg.cp)
+        check_layout(self.arch, tp=cfg.tp, ep=cfg.ep, pp=cfg.pp, cp=cfg.cp, etp=cfg.etp)
         if cfg.max_seq_len < 0 or cfg.logprob_chunk_tokens < 1:
             raise ValueError(f"max_seq_len must be >= 0 (0: the model's context) and logprob_chunk_tokens >= 1; "
                              f"got {cfg.max_seq_len} and {cfg.logprob_chunk_tokens}")
@@ -100,7 +101,7 @@ class MegatronTrainer:
             raise ValueError(f"recompute={cfg.recompute!r} with MoE routing replay is not supported: the recomputed "
                              f"forward would route freely; set recompute='none' or replay_train=False")
         recompute_options(cfg.recompute, self.arch.moe)  # a bad value fails here, before any process group
-        self.pcfg = ParallelConfig(tp=cfg.tp, ep=cfg.ep, pp=cfg.pp, cp=cfg.cp)
+        self.pcfg = ParallelConfig(tp=cfg.tp, ep=cfg.ep, pp=cfg.pp, cp=cfg.cp, etp=cfg.etp)
         init_parallel(self.pcfg, device=self.device.type, seed=seed, timeout_s=cfg.dist_timeout_s)
         from megatron.core import parallel_state as ps
 
@@ -109,7 +110,8 @@ class MegatronTrainer:
         self.dp_rank = ps.get_data_parallel_rank()
         self.layout = convert.Layout.current()
         self.cp_rank = ps.get_context_parallel_rank()
-        self.tconfig = transformer_config(self.arch, tp=cfg.tp, ep=cfg.ep, pp=cfg.pp, cp=cfg.cp, dtype=self.dtype,
+        self.tconfig = transformer_config(self.arch, tp=cfg.tp, ep=cfg.ep, pp=cfg.pp, cp=cfg.cp, etp=cfg.etp,
+                                          dtype=self.dtype,
                                           recompute=cfg.recompute, sequence_parallel=cfg.sequence_parallel)
         self.tconfig.calculate_per_token_loss = True
         model = build_model(self.arch, self.tconfig)

@@ -141,6 +141,7 @@ class TrainerConfig:
     ep: int = _f(1, ge=1)  # expert parallel (carved out of tp*dp, as in Megatron-Core)
     dp: int = _f(1, ge=1)  # data parallel; world size = tp * pp * cp * dp
     cp: int = _f(1, ge=1)  # context parallel: every packed sequence split over cp ranks (dense models)
+    etp: int = _f(1, ge=1)  # expert tensor parallel: each expert's weights split over etp ranks (1: whole)
     micro_batch_tokens: int = _f(4096, ge=1)  # packed tokens per micro-batch
     replay_verify: bool = False  # MoE: replay the engine's routes when computing log-probs for verification
     replay_train: bool = True  # MoE: routing replay (R3) for the old-log-prob recompute and the training step
@@ -337,9 +338,11 @@ class RunConfig:
             raise ConfigError(
                 f"rollout.max_live: must be >= rollout.n ({r.n}) so one group fits, got {r.max_live}"
             )
-        if (t.tp * t.cp * t.dp) % t.ep:
+        if (t.tp * t.cp * t.dp) % (t.ep * t.etp):
             span = "tp*dp" if t.cp == 1 else "tp*cp*dp"
-            raise ConfigError(f"trainer.ep: must divide {span} = {t.tp * t.cp * t.dp} (Megatron-Core), got {t.ep}")
+            what = "" if t.etp == 1 else f"ep*etp = {t.ep * t.etp} "
+            raise ConfigError(f"trainer.ep: {what}must divide {span} = {t.tp * t.cp * t.dp} (Megatron-Core), "
+                              f"got {t.ep}")
         if t.ep > 1 and m.path is None and not m.moe:
             raise ConfigError("trainer.ep: expert parallelism needs an MoE model (model.moe: true)")
         if self.algo.verify_on == "engine" and r.temperature != 1.0:

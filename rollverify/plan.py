@@ -152,8 +152,8 @@ class TrainerLayout:
     @staticmethod
     def of(cfg: RunConfig) -> TrainerLayout:
         t = cfg.trainer
-        # etp is not a trainer option yet: the trainer runs it at 1.
-        return TrainerLayout(tp=t.tp, pp=t.pp, dp=t.dp, ep=t.ep, cp=t.cp, sequence_parallel=t.sequence_parallel,
+        return TrainerLayout(tp=t.tp, pp=t.pp, dp=t.dp, ep=t.ep, etp=t.etp, cp=t.cp,
+                             sequence_parallel=t.sequence_parallel,
                              recompute=t.recompute,
                              micro_batch_tokens=t.micro_batch_tokens, logprob_chunk_tokens=t.logprob_chunk_tokens,
                              replay_train=t.replay_train)
@@ -166,13 +166,14 @@ def layout_problems(a: ModelArch, lay: TrainerLayout) -> list[str]:
 
     out = []
     try:
-        check_layout(a, tp=lay.tp, ep=lay.ep, pp=lay.pp, cp=lay.cp)
+        check_layout(a, tp=lay.tp, ep=lay.ep, pp=lay.pp, cp=lay.cp, etp=lay.etp)
     except UnsupportedCheckpoint as e:
-        out.append(f"trainer.tp/ep/pp/cp: {e}")
-    # MegatronTrainer: MoE under TP needs SP, and ep > 1 so that the whole experts' gradients are reduced over TP
-    if a.moe and lay.tp > 1 and (not lay.sequence_parallel or lay.ep == 1):
+        out.append(f"trainer.tp/ep/pp/cp/etp: {e}")
+    # MegatronTrainer: MoE under TP needs SP, and ep > 1 or etp > 1 so that the experts' gradients are reduced
+    if a.moe and lay.tp > 1 and (not lay.sequence_parallel or lay.ep * lay.etp == 1):
         out.append(f"trainer.tp = {lay.tp}: the trainer runs MoE under TP only with trainer.sequence_parallel=true "
-                   f"and trainer.ep > 1 (got sequence_parallel={lay.sequence_parallel}, ep={lay.ep})")
+                   f"and trainer.ep > 1 or trainer.etp > 1 (got sequence_parallel={lay.sequence_parallel}, "
+                   f"ep={lay.ep}, etp={lay.etp})")
     if a.moe and lay.recompute != "none" and lay.replay_train:
         out.append(f"trainer.recompute = {lay.recompute}: the trainer refuses recompute with MoE routing replay "
                    "(the recomputed forward would route freely); set it to none or trainer.replay_train=false")

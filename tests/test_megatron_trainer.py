@@ -195,7 +195,7 @@ def test_bad_input_fails_before_any_forward_naming_the_numbers(dense):
     with pytest.raises(UnsupportedCheckpoint, match="num_layers 2 is not divisible by pp=4"):
         _trainer(tiny_path(), pp=4)  # refused before any process group or model is built
     with pytest.raises(UnsupportedCheckpoint, match=r"MoE with tp=2 > 1 needs sequence_parallel=True and ep > 1 "
-                                                    r"\(got sequence_parallel=True, ep=1\)"):
+                                                    r"or etp > 1 \(got sequence_parallel=True, ep=1, etp=1\)"):
         _trainer(tiny_path(moe=True), tp=2, sequence_parallel=True)
 
 
@@ -247,8 +247,10 @@ def _single(moe: bool, tied: bool) -> dict:
 @pytest.mark.parametrize(("layout", "moe", "tied"), [(dict(tp=2, sequence_parallel=True), False, False),
                                                      (dict(pp=2), False, True), (dict(ep=2), True, False),
                                                      (dict(tp=2, ep=2, sequence_parallel=True), True, False),
+                                                     (dict(tp=2, etp=2, sequence_parallel=True), True, False),
                                                      (dict(cp=2), False, False)],
-                         ids=["tp2-sp-dense", "pp2-tied", "ep2-moe-replay", "tp2-ep2-sp-moe-replay", "cp2-dense"])
+                         ids=["tp2-sp-dense", "pp2-tied", "ep2-moe-replay", "tp2-ep2-sp-moe-replay",
+                              "tp2-etp2-sp-moe-replay", "cp2-dense"])
 def test_world_size_2_step_equals_single_process_step(layout, moe, tied):
     from megatron_bridge.spawned import SpawnedTrainer
     from megatron_bridge.trainer import TrainerConfig
