@@ -217,6 +217,13 @@ def flatten_bucket(bucket: Bucket) -> tuple[torch.Tensor, BucketMeta]:
     bad = [n for n, t in bucket if t.is_floating_point() and not bool(torch.isfinite(t).all())]
     if bad:
         raise ValueError(f"weights {bad[:5]} hold non-finite values (NaN or inf); nothing was sent")
+    offset = 0
+    for name, t in bucket:
+        if offset % t.element_size():
+            raise ValueError(f"tensor {name} ({t.dtype}) would start at byte offset {offset} of its bucket, not a "
+                             f"multiple of {t.element_size()}: receivers view it in place; order a mixed-dtype "
+                             "bucket by element size")
+        offset += t.numel() * t.element_size()
     flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in bucket])
     return flat, BucketMeta.of(bucket)
 

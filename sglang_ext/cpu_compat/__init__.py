@@ -5,7 +5,8 @@ imported. It works through the environment, which SGLang's scheduler and detoken
 
 - `SGLANG_USE_CPU_ENGINE=1`: without it SGLang probes for vllm and then kills its parent process.
 - `shim/` on PYTHONPATH: a pure-torch `sgl_kernel` stand-in (the ops SGLang's CPU path calls; see its
-  docstring), which also gives the routed-experts capture plain host memory instead of `cudaHostRegister`.
+  docstring), which also gives the routed-experts capture plain host memory instead of `cudaHostRegister`
+  and answers `torch.get_device_module()` with `torch.cpu` (SGLang's memory release calls it).
 
 Nothing in site-packages is edited. `engine_kwargs()` are the engine arguments that work on CPU.
 """

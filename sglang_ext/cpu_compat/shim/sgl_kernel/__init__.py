@@ -6,7 +6,8 @@ scheduler and detokenizer children see it too). Semantics follow SGLang's own Tr
 named below. `torch.ops.sgl_kernel.convert_weight_packed` is deliberately not registered: SGLang then sees no
 AMX and every layer runs its pure-torch `forward_native` path.
 
-Importing it also applies the one host-side fix SGLang's CPU path needs (see `_patch_host_alloc`).
+Importing it also applies the two host-side fixes SGLang's CPU path needs (see `_patch_host_alloc` and
+`_cpu_device_module`).
 """
 
 from __future__ import annotations
@@ -150,3 +151,22 @@ if _HOST_ALLOC_MODULE in sys.modules:
     _patch_host_alloc(sys.modules[_HOST_ALLOC_MODULE])
 elif not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
     sys.meta_path.insert(0, _PatchOnImport())
+
+
+def _cpu_device_module(get_device_module):
+    """`torch.get_device_module()` with no device returns the current accelerator's module, "or CPU if none is
+    present"; a CUDA build without a driver still reports CUDA, so SGLang's release_memory_occupation
+    (scheduler_components/weight_updater.py: `torch.get_device_module().synchronize()`) kills the scheduler on
+    CPU. Without a usable CUDA device the no-argument call answers `torch.cpu`; any explicit device is untouched."""
+
+    def patched(device=None):
+        if device is None and not torch.cuda.is_available():
+            return torch.cpu
+        return get_device_module(device)
+
+    patched.__wrapped__ = get_device_module
+    return patched
+
+
+if not hasattr(torch.get_device_module, "__wrapped__"):
+    torch.get_device_module = _cpu_device_module(torch.get_device_module)
