@@ -40,6 +40,8 @@ def test_tiny_cpu_config():
         ("rollout", "engine_args"),
         ("trainer", "lr"),
         ("eval", "every"),
+        ("eval", "n_prompts"),
+        ("eval", "n_samples"),
         ("log", "checkpoint_every"),
     }, changed
 
