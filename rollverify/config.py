@@ -173,6 +173,10 @@ class ClusterConfig:
     placement: Literal["colocated", "disaggregated"] = "colocated"  # colocated: rollout and training take turns
     rollout_gpus: int = _f(0, ge=0)  # disaggregated: the last GPUs go to the servers, the rest to the trainer
     gpu_memory_gib: float = _f(80.0, gt=0.0)  # per GPU, as `plan` budgets it
+    # --- ray launcher (rollverify.cluster) ---
+    address: str | None = None  # Ray cluster to join (auto, HEAD_IP:6379); null: RAY_ADDRESS, else a one-node Ray here
+    join_timeout_s: float = _f(120.0, gt=0.0)  # nodes, placement group and file checks that take longer fail
+    log_to_driver: bool = True  # actors' stdout/stderr (trainer ranks, server actors) echoed by the driver
 
     @property
     def gpus(self) -> int:

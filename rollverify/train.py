@@ -100,6 +100,7 @@ class Run:
         self.render = PromptRenderer(self.tokenizer, getattr(self.task, "chat_template", "auto"), source=self.model_path)
         self.score = task_reward(self.task, cfg.task.reward)
         self.evaluator = build_evaluator(cfg, self.task, self.tokenizer, self.score) if cfg.eval.every else None
+        self.cluster = None  # rollverify.cluster.RayCluster with cluster.launcher: ray
         self.engine = self._start_engine()
         try:
             with stage("trainer") as st:
@@ -109,7 +110,10 @@ class Run:
             if cfg.rollout.endpoints:
                 self.engine.update_weights(self.trainer.export_weights(), 0)
         except BaseException:
-            self.engine.close(shutdown=not cfg.rollout.endpoints)
+            try:
+                self.engine.close(shutdown=not cfg.rollout.endpoints)
+            finally:
+                self._close_cluster()
             raise
         self._train_examples: list = []
         self._stream = self.task.stream("train", seed=cfg.seed)
@@ -134,11 +138,32 @@ class Run:
     # --- wiring -------------------------------------------------------------------------------------------
 
     def _start_engine(self):
+        if self.cfg.cluster.launcher == "ray":  # trainer ranks and servers as actors of one placement group
+            from rollverify.cluster import RayCluster, files_read
+            from rollverify.plan import check as check_plan
+            from sglang_ext.ray_server import start_ray_engine
+
+            with stage("ray cluster") as st:
+                self.cluster = RayCluster.start(check_plan(self.cfg), files_read(self.cfg, self.model_path))
+                st.detail = ", ".join(self.cluster.node_name(k) for k in range(len(self.cluster.nodes)))
+            try:
+                with stage("servers") as st:
+                    engine = start_ray_engine(self.cfg, self.cluster, self.model_path, self.out)
+                    st.detail = f"{len(self.cluster.plan.servers)} SGLang server actor(s), CURVE keys of this run"
+                return engine
+            except BaseException:
+                self._close_cluster()
+                raise
         return start_engine(self.cfg, self.model_path, self.out)
 
     def _start_trainer(self):
         from megatron_bridge.loop_adapter import LoopTrainer
 
+        if self.cluster is not None:
+            from megatron_bridge.ray_trainer import RayTrainer
+
+            return LoopTrainer(RayTrainer(self.model_path, self.cfg.trainer, self.cluster, dtype=self.cfg.model.dtype,
+                                          seed=self.cfg.seed))
         return LoopTrainer(start_trainer(self.cfg, self.model_path))
 
     def _weight_sync(self):
@@ -149,6 +174,11 @@ class Run:
         tp = int(self.cfg.rollout.engine_args.get("tp_size", 1))
         return weight_sync_for(c.launcher, c.placement, self.engine, self.trainer, server_tp=tp,
                                trainer_ranks=self.cfg.trainer.world_size, timeout_s=self.cfg.rollout.server_timeout_s)
+
+    def _close_cluster(self) -> None:
+        if self.cluster is not None:
+            self.cluster.close()
+            self.cluster = None
 
     def make_group(self, group_id: int) -> Group:
         while len(self._train_examples) <= group_id:  # group ids index the task's train stream
@@ -201,7 +231,10 @@ class Run:
             if close:
                 close()
         finally:
-            self.engine.close(shutdown=not self.cfg.rollout.endpoints)
+            try:
+                self.engine.close(shutdown=not self.cfg.rollout.endpoints)
+            finally:
+                self._close_cluster()
 
 
 def train(

@@ -34,6 +34,15 @@ class ServerProcess:
     def pid(self) -> int:
         return self.proc.pid
 
+    def alive(self) -> bool:
+        """The server process has not exited (the rollout engine's watchdog asks every handle this, local
+        processes and sglang_ext.ray_server's actors alike)."""
+        return self.proc.poll() is None
+
+    def __str__(self) -> str:
+        code = self.proc.poll()
+        return f"pid {self.pid}" + ("" if code is None else f", exit code {code}")
+
     def descendants(self) -> list[int]:
         import psutil
 

@@ -1,0 +1,201 @@
+"""`RayTrainer`: the trainer ranks as Ray actors pinned to the run's placement group (`cluster.launcher: ray`).
+
+Each rank is a `TrainerRank` actor on the bundle of its plan node (rollverify.cluster). Rank 0 reports its node's
+address and a port it bound there; every rank then sets up torch.distributed from them (gloo on CPU, NCCL on
+GPU, `LOCAL_RANK` = the plan's GPU on its node) and builds its `MegatronTrainer` through the same rank-side code
+as the local launcher (megatron_bridge.spawned.start_rank / run_call). The driver object is a `SpawnedTrainer`
+whose calls travel as actor calls instead of pipe messages, so the loop drives it through the same methods.
+
+Weight buckets that rank 0 streams (sync_weights, the HF export) reach the driver's sink through a bounded queue
+in the rank-0 actor, drained by the driver while the call runs; they travel as CPU tensors in Ray's object
+store. Any rank's exception is raised in the driver naming the rank and its node; a rank whose actor dies, or
+that is silent past `timeout_s`, fails the call instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import queue
+import socket
+import threading
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from megatron_bridge.spawned import SpawnedTrainer, run_call, start_rank
+from rollverify.config import TrainerConfig
+
+if TYPE_CHECKING:
+    from rollverify.cluster import RayCluster
+
+DONE = "done"
+
+
+class _QueueSink:
+    """Rank 0's weight sink inside its actor: begin/bucket/end events for the driver, at most `depth` waiting."""
+
+    def __init__(self, events: queue.Queue) -> None:
+        self.events = events
+
+    def begin(self, version: int) -> None:
+        self.events.put(("begin", version))
+
+    def push(self, bucket) -> None:
+        self.events.put(("bucket", [(n, t.detach().to("cpu", copy=True)) for n, t in bucket]))
+
+    def end(self, version: int) -> None:
+        self.events.put(("end", version))
+
+
+class TrainerRank:
+    """One trainer rank (a Ray actor with two threads: the call, and the driver draining rank 0's buckets)."""
+
+    def __init__(self, rank: int, world_size: int, local_rank: int | None, threads: int) -> None:
+        self.rank, self.world_size, self.local_rank, self.threads = rank, world_size, local_rank, threads
+        self.trainer = None
+        self.events: queue.Queue = queue.Queue(maxsize=2)
+
+    def address(self) -> tuple[str, int, str]:
+        """This node's address, a free port bound on it (the rendezvous when this is rank 0), and the node id."""
+        import ray
+
+        ip = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((ip, 0))
+            port = s.getsockname()[1]
+        return ip, port, ray.get_runtime_context().get_node_id()
+
+    def setup(self, master: tuple[str, int], model_path: str, cfg: TrainerConfig, dtype: str, seed: int) -> None:
+        self._device()
+        self.trainer = start_rank(self.rank, self.world_size, master, model_path, cfg, dtype, seed, self.threads,
+                                  self.local_rank)
+
+    def call(self, method: str, args: tuple, kwargs: dict, stream: bool) -> Any:
+        self._device()  # a threaded actor runs calls on pool threads; the CUDA device is per thread
+        try:
+            return run_call(self.trainer, self.rank, method, args, kwargs, _QueueSink(self.events) if stream else None)
+        finally:
+            if stream and self.rank == 0:
+                self.events.put((DONE, None))
+
+    def next_event(self, timeout_s: float) -> tuple[str, Any] | None:
+        try:
+            return self.events.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+
+    def close(self) -> None:
+        if self.trainer is not None:
+            self.trainer.close()
+            self.trainer = None
+
+    def _device(self) -> None:
+        if self.local_rank is not None and torch.cuda.is_available():
+            torch.cuda.set_device(self.local_rank)
+
+
+class RayTrainer(SpawnedTrainer):
+    """`MegatronTrainer` over Ray actors placed by `cluster` (plan rank r on plan node `cluster.plan.ranks[r]`)."""
+
+    def __init__(self, model_path: str, cfg: TrainerConfig, cluster: RayCluster, *, dtype: str = "auto",
+                 seed: int = 1234, timeout_s: float | None = None, threads_per_rank: int = 1) -> None:
+        import ray
+
+        self.cfg = cfg
+        self.cluster = cluster
+        self.world_size = len(cluster.plan.ranks)
+        self.timeout_s = cfg.call_timeout_s if timeout_s is None else timeout_s
+        self._lock = threading.Lock()
+        actor = ray.remote(max_concurrency=2)(TrainerRank)
+        self._where = [cluster.node_name(node) for node, _ in cluster.plan.ranks]
+        self._actors = [
+            actor.options(**cluster.actor_options(node, num_gpus=cluster.rank_gpus[r])).remote(
+                r, self.world_size, gpu, threads_per_rank)
+            for r, (node, gpu) in enumerate(cluster.plan.ranks)
+        ]
+        self._conns, self._procs = [], []  # SpawnedTrainer's pipes: none here
+        try:
+            where = self._gather([a.address.remote() for a in self._actors], what="address")
+            self.rank_nodes = [node_id for _, _, node_id in where]  # the Ray node of each rank
+            ip, port, _ = where[0]
+            self._gather([a.setup.remote((ip, port), str(model_path), cfg, dtype, seed) for a in self._actors],
+                         what="setup")
+        except BaseException:
+            self.close(force=True)
+            raise
+
+    def _name(self, rank: int) -> str:
+        return f"trainer rank {rank} ({self._where[rank]})"
+
+    def _gather(self, refs: list, *, what: str, ranks: list[int] | None = None) -> list[Any]:
+        """Every rank's reply; the first failure (exception, dead actor, silence past timeout_s) is raised at
+        once, naming the rank and its node."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+        ranks = list(range(len(refs))) if ranks is None else ranks
+        index = {ref: i for i, ref in enumerate(refs)}
+        out: list[Any] = [None] * len(refs)
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=self.timeout_s)
+            if not ready:
+                late = ", ".join(self._name(ranks[index[r]]) for r in pending)
+                raise TimeoutError(f"{what}: no reply within {self.timeout_s:.0f} s from {late}")
+            i = index[ready[0]]
+            try:
+                out[i] = ray.get(ready[0], timeout=0)
+            except RayActorError as e:
+                raise RuntimeError(f"{what}: {self._name(ranks[i])} died: {e}") from None
+            except RayTaskError as e:
+                raise RuntimeError(f"{what}: {self._name(ranks[i])} failed:\n{e}") from None
+            except GetTimeoutError:  # ready but not yet fetchable: look again
+                pending.append(ready[0])
+        return out
+
+    def _call(self, method: str, *args, _sink=None, **kwargs) -> Any:
+        stream = method in ("sync_weights", "iter_hf_tensors")
+        with self._lock:
+            refs = [a.call.remote(method, args, kwargs, stream) for a in self._actors]
+            if stream:
+                self._drain(refs, _sink)
+            return self._gather(refs, what=method)[0]
+
+    def _drain(self, refs: list, sink) -> None:
+        """Feed rank 0's weight events to `sink` until its call ends (or any rank's call fails)."""
+        import ray
+
+        silent = 0.0
+        while True:
+            event = ray.get(self._actors[0].next_event.remote(1.0))
+            if event is None:
+                done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+                if done:
+                    self._gather(done, what="sync_weights", ranks=[refs.index(d) for d in done])
+                silent += 1.0
+                if silent > self.timeout_s:
+                    raise TimeoutError(f"sync_weights: {self._name(0)} sent no weights for {self.timeout_s:.0f} s")
+                continue
+            silent = 0.0
+            kind, payload = event
+            if kind == DONE:
+                return
+            if sink is None:
+                continue
+            if kind == "begin":
+                sink.begin(payload)
+            elif kind == "bucket":
+                sink.push(payload)
+            elif kind == "end":
+                sink.end(payload)
+
+    def close(self, force: bool = False) -> None:
+        import ray
+
+        actors, self._actors = getattr(self, "_actors", []), []
+        if not force and actors:
+            try:
+                ray.get([a.close.remote() for a in actors], timeout=30)
+            except Exception:  # noqa: BLE001 - the actors are killed below anyway
+                pass
+        for a in actors:
+            ray.kill(a)
