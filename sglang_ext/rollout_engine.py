@@ -80,7 +80,6 @@ class SGLangRolloutEngine:
     ) -> None:
         self.weight_source = weight_source
         self.version = 0  # the last policy version pushed
-        self.paused = False
         self.faults: list[dict[str, Any]] = []  # one record per lost server
         self.last_pause: list[dict] = []  # each server's last pause reply body (timings)
         self.where: dict[str, ServerSlot] = {}  # response id -> the server slot that holds it
@@ -88,6 +87,7 @@ class SGLangRolloutEngine:
         self._held: list[Chunk] = []  # training outputs that arrived while evaluating
         self.pool = ServerPool(endpoints, processes=processes, relaunch=relaunch, curve=curve, timeout_s=timeout_s,
                                poll_wait_s=poll_wait_s)
+        self.paused = any(s.paused for s in self.pool.servers)  # resume() resumes the servers found paused
 
     # --- RolloutEngine -----------------------------------------------------------------------------------
 

@@ -342,14 +342,16 @@ def test_fake_accounting_through_cycles_and_server_crash():
             time.sleep(0.03)
             s1.crash()
             held = {r.response_id: r.num_tokens for r in buffer.pending()}
-            while not engine.faults:  # noticed as a launched process that exited (no relaunch: abandoned)
-                rec.take(engine.wait_finished(0.2))
+            deltas = rec.take(engine.pause())  # server 1's exited "process" is noticed: server 0 pauses alone
+            rec.take(engine.wait_finished(0.0))
+            assert {engine.where[c.response_id].index for c in deltas} <= {0}
             lost = engine.lost()
             assert engine.faults[0]["lost"] == sorted(lost) and not engine.faults[0]["restarted"]
             again = [buffer.get(rid) for rid in lost if not buffer.get(rid).finished]
             assert again and all(r.num_tokens == held[r.response_id] for r in again)
-            engine.submit(again, IGNORE_EOS)  # the loop's resubmission, from the buffer
+            engine.submit(again, IGNORE_EOS)  # the loop's resubmission, from the buffer; they wait for resume
             assert {engine.where[r.response_id].index for r in again} == {0}
+            engine.resume()
             rec.wait(engine, 60)
             for r in (r for g in buffer.groups.values() for r in g.responses):
                 assert rec.finished[r.response_id] == r.num_tokens == r.max_new_tokens
