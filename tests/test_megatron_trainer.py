@@ -220,6 +220,36 @@ def test_activation_recompute_changes_no_figure():
         MegatronTrainer(tiny_path(), TrainerConfig(recompute="some"))
 
 
+def test_bf16_step_keeps_fp32_main_params_and_clips_the_gradient():
+    """bf16 weights, the distributed optimizer's fp32 main params: an update below bf16's resolution is kept in
+    fp32 (the bf16 weights are the main params rounded), and the gradient Adam sees is clipped to grad_clip."""
+    from megatron_bridge.model import unwrap
+    from megatron_bridge.trainer import MegatronTrainer, TrainerConfig
+
+    seqs = _rl_batch(tiny_path(), shift=0.05)
+    trainer = MegatronTrainer(tiny_path(), TrainerConfig(lr=1e-6, grad_clip=0.01, micro_batch_tokens=24),
+                              dtype="bfloat16")
+    model = unwrap(trainer.model)
+    (opt,) = getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer])
+    main = [p for g in opt.optimizer.param_groups for p in g["params"]]
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16} and {p.dtype for p in main} == {torch.float32}
+    before = [p.detach().clone() for p in main]
+    bf16_before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    m = trainer.train_step(seqs)
+    assert np.isfinite(m["grad_norm"]) and m["grad_norm"] > 10 * 0.01
+    moved = [(p - q).abs().max().item() for p, q in zip(main, before, strict=True)]
+    assert min(moved) > 0  # every fp32 main param took the step
+    unchanged = sum(torch.equal(p, bf16_before[n]) for n, p in model.named_parameters())
+    assert unchanged > 0  # ... that some bf16 weights cannot show yet
+    for p in model.parameters():  # one DP rank: each main param is its whole weight, flattened
+        group, order = opt.model_param_group_index_map[p]
+        assert torch.equal(p.detach().view(-1), opt.optimizer.param_groups[group]["params"][order].to(p.dtype))
+    # Adam's first moment after one step is (1 - beta1) * the clipped gradient, whose norm is grad_clip
+    exp_avg = torch.cat([opt.optimizer.state[p]["exp_avg"].view(-1) for p in main])
+    assert exp_avg.norm().item() == pytest.approx((1 - 0.9) * 0.01, rel=1e-4)
+    trainer.close()
+
+
 # ------------------------------------------------------------------------------------ world size 2
 
 
