@@ -7,6 +7,7 @@ Entry points (import the submodules; importing this package pulls in nothing hea
   `spawned.SpawnedTrainer` / `spawned.make_trainer(..., world_size=N)`: N ranks behind the same methods;
   `loop_adapter.LoopTrainer`: the loop's `rollverify.interfaces.Trainer` over either.
 * `convert`: HF <-> Megatron-Core weights for Qwen3 / Qwen3-MoE (TP, EP, PP), `iter_hf_tensors` streaming.
-* `weight_sync`: `WeightSink` (begin/push/end), in-memory, disk, CUDA IPC and broadcast-channel transports.
+* `weight_sync`: `WeightSink` (begin/push/end): in-memory, disk and callable sinks, and `TransportSink`, the
+  GPU transports' (a broadcast over SGLang's weight-update group, or CUDA IPC) driven by a `BucketControl`.
 * `replay`: R3 routing replay; `cpu_compat` / `parallel`: Megatron-Core on CPU over gloo.
 """

@@ -6,8 +6,11 @@ unless a transport has other ranks send):
 
     sink.begin(version); sink.push(bucket) ...; sink.end(version)
 
-`WeightSink` is the whole contract; the SGLang side implements it with its server's update-weights op
-(pause, flush, update, resume belong to that side). Here:
+`WeightSink` is the whole contract of the sending side; every sink is one of the classes below or a pipe that
+forwards to one (`spawned._PipeSink`, `ray_trainer._QueueSink`). No SGLang class is a sink: the in-memory path
+hands the buckets to the rollout engine's `update_weights(buckets, version)` (`rollverify.interfaces`; pause,
+flush, update and resume belong to that side), and the GPU transports' servers are driven through a
+`BucketControl` (`sglang_ext.weight_transport.ServerControl`). Here:
 
 * `InMemorySink`: keeps the tensors (tests, in-process engines on CPU);
 * `DiskSink`: writes an HF checkpoint folder (for `update_weights_from_disk`, and the export);
