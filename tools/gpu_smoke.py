@@ -6,13 +6,17 @@
 
 Part A needs only torch, transformers and megatron-core (any Python >= 3.11, torch >= 2.11, transformers 5.x;
 nothing is pinned and nothing else is imported: the project modules it uses, `megatron_bridge` and
-`rollverify.{tiny_model,verify,losses}`, import only those). Its checks:
+`rollverify.{tiny_model,verify,losses,config,strategies,types}`, import only those, numpy and PyYAML, which
+transformers requires). Its checks:
 
 - parity_{dense,moe,0p6b}_{fp32,bf16}: the tiny dense and MoE models and a random Qwen3 shaped like Qwen3-0.6B,
   trainer log-probs of every token against transformers on the same device (fp32: max |diff| <= 1e-4; bf16:
   mean |diff| <= 2e-3).
-- train_step_bf16: one GRPO step of the 0.6B-shaped model in bf16 (fp32 main params): finite, positive grad norm.
-- checkpoint_roundtrip: a stepped tiny model saved and loaded into a fresh trainer gives identical log-probs.
+- train_step_bf16: one GRPO step of the 0.6B-shaped model in bf16: finite, positive grad norm; the distributed
+  optimizer's main params are fp32 on the device and each bf16 weight is its main param rounded; the gradient
+  Adam took is the clipped one (its first moment has norm (1 - beta1) * min(grad norm, grad_clip)).
+- checkpoint_roundtrip: a stepped tiny model saved (Megatron-Core's distributed checkpoint, torch_dist) and
+  loaded into a fresh trainer gives identical log-probs.
 - routing_replay_bitwise: the tiny MoE's free routes, recorded on the device and replayed, give bitwise the
   same log-probs.
 - memory_vs_length: peak memory of a bf16 train step at 2K..32K tokens per sequence; linear when the 32K/2K
@@ -49,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 HEAVY_PACKAGES = ("sglang", "sglang_ext", "sgl_kernel", "flashinfer", "vllm", "ray", "zmq", "wandb", "pydantic",
                   "pandas", "pyarrow", "datasets", "orjson", "uvloop", "fastapi")
 PROJECT_MODULES = ("megatron_bridge", "rollverify", "rollverify.tiny_model", "rollverify.verify",
-                   "rollverify.losses")
+                   "rollverify.losses", "rollverify.config", "rollverify.strategies", "rollverify.types")
 
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12,
                    "L40S": 362e12, "B200": 2250e12, "GH200": 989e12}
@@ -388,8 +392,43 @@ def check_train_step(env: Env, trainer, arch) -> Check:
         s.rollout_logprobs = a
     m = trainer.train_step(seqs)
     g = m["grad_norm"]
-    return Check("", math.isfinite(g) and g > 0 and m["update_ok"] == 1.0,
-                 f"grad norm {g:.4g} (finite, > 0), loss {m['loss']:.4g}, dtype {trainer.dtype}", g)
+    main = main_param_figures(trainer)
+    want = (1 - trainer.cfg.adam_beta1) * min(g, trainer.cfg.grad_clip)
+    clip_err = abs(main["exp_avg_norm"] - want) / want if want > 0 else math.inf
+    ok = (math.isfinite(g) and g > 0 and m["update_ok"] == 1.0 and main["main_fp32"] and main["weights_are_main"]
+          and clip_err < 1e-3)
+    return Check("", ok, f"grad norm {g:.4g} (finite, > 0), loss {m['loss']:.4g}, dtype {trainer.dtype}; main "
+                 f"params fp32 on {main['main_device']}: {main['main_fp32']}, bf16 weights = rounded main params: "
+                 f"{main['weights_are_main']}; Adam's first moment {main['exp_avg_norm']:.4g} vs "
+                 f"(1 - beta1) * min(grad norm, clip {trainer.cfg.grad_clip}) = {want:.4g}", g,
+                 detail={**main, "clip_rel_err": clip_err})
+
+
+def main_param_figures(trainer) -> dict:
+    """After the trainer's first step at one DP rank: the distributed optimizer's main params (dtype, device),
+    whether every weight equals its main param rounded to the weight's dtype, and the norm of Adam's first
+    moment over all params."""
+    import torch
+
+    from megatron_bridge.model import unwrap
+
+    parts = getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer])
+    main_fp32, same, sq = True, True, 0.0
+    device = None
+    for part in parts:
+        inner = part.optimizer
+        for group in inner.param_groups:
+            for p in group["params"]:
+                main_fp32 &= p.dtype == torch.float32
+                device = str(p.device)
+                sq += float(inner.state[p]["exp_avg"].float().pow(2).sum())
+    for p in unwrap(trainer.model).parameters():
+        for part in parts:
+            if p in part.model_param_group_index_map:
+                group, order = part.model_param_group_index_map[p]
+                mp = part.optimizer.param_groups[group]["params"][order]
+                same &= bool(torch.equal(p.detach().reshape(-1), mp.detach().to(p.dtype).reshape(-1)))
+    return {"main_fp32": main_fp32, "main_device": device, "weights_are_main": same, "exp_avg_norm": sq ** 0.5}
 
 
 def forbidden_modules() -> list[str]:
