@@ -164,9 +164,9 @@ def _cpu_device_module(get_device_module):
             return torch.cpu
         return get_device_module(device)
 
-    patched.__wrapped__ = get_device_module
+    patched.rollverify_cpu = True  # applied once per process
     return patched
 
 
-if not hasattr(torch.get_device_module, "__wrapped__"):
+if not getattr(torch.get_device_module, "rollverify_cpu", False):
     torch.get_device_module = _cpu_device_module(torch.get_device_module)
