@@ -1,0 +1,60 @@
+"""The Ray launcher's placement logic for the paper's GPU layouts (rollverify.cluster), without Ray: the bundles a
+placement group reserves per node, each actor's GPU share, and the resource check that names a short node."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollverify.cluster import ClusterError, RayNode, check_resources, gpu_shares, node_needs
+from rollverify.config import load_config
+from rollverify.plan import check
+
+
+def _plan(config: str, *overrides: str):
+    return check(load_config(config, list(overrides), check_task=False))
+
+
+def test_colocated_8b_reserves_every_gpu_once_and_splits_each_between_a_rank_and_a_server():
+    plan = _plan("qwen3_8b_base")
+    needs = node_needs(plan)
+    assert [n.bundle() for n in needs] == [{"CPU": 12.0, "GPU": 8.0}] * 4  # 8 ranks + 4 servers a node
+    assert [n.ranks for n in needs] == [list(range(8 * k, 8 * k + 8)) for k in range(4)]
+    assert [n.servers for n in needs] == [list(range(4 * k, 4 * k + 4)) for k in range(4)]
+    ranks, servers = gpu_shares(plan)
+    assert ranks == [0.5] * 32 and servers == [1.0] * 16  # a TP-2 server: half of each of its 2 GPUs
+    for need in needs:  # Ray's accounting adds up to the bundle exactly
+        assert sum(ranks[r] for r in need.ranks) + sum(servers[s] for s in need.servers) == need.bundle()["GPU"]
+
+
+def test_disaggregated_8b_puts_the_trainer_on_nodes_0_1_and_the_servers_on_nodes_2_3():
+    plan = _plan("qwen3_8b_base", "cluster.placement=disaggregated", "cluster.rollout_gpus=16", "trainer.dp=8",
+                 "rollout.n_servers=8", "rollout.max_live=192")
+    needs = node_needs(plan)
+    assert [(len(n.ranks), len(n.servers), n.gpus) for n in needs] == [
+        (8, 0, list(range(8))), (8, 0, list(range(8))), (0, 4, list(range(8))), (0, 4, list(range(8)))]
+    ranks, servers = gpu_shares(plan)
+    assert ranks == [1.0] * 16 and servers == [2.0] * 8  # nothing shared
+    assert [s.gpus[0] for s in plan.servers] == [0, 2, 4, 6] * 2  # base_gpu_id on its node
+
+
+def test_moe_30b_servers_take_four_gpus_each():
+    plan = _plan("qwen3_30b_a3b_base")
+    ranks, servers = gpu_shares(plan)
+    assert ranks == [0.5] * 32 and servers == [2.0] * 8
+    assert [n.bundle() for n in node_needs(plan)] == [{"CPU": 10.0, "GPU": 8.0}] * 4
+
+
+def _nodes(*spec: tuple[float, float]) -> list[RayNode]:
+    return [RayNode(f"{i:02d}" * 8, f"10.0.0.{i + 1}", gpus, cpus) for i, (gpus, cpus) in enumerate(spec)]
+
+
+def test_the_resource_check_names_the_node_that_falls_short():
+    needs = node_needs(_plan("qwen3_8b_base"))
+    check_resources(needs, _nodes((0, 8), (8, 64), (8, 64), (8, 64), (8, 64)))  # a driver-only head is fine
+    with pytest.raises(ClusterError, match=r"cluster.nodes = 4 but 3 Ray node\(s\)"):
+        check_resources(needs, _nodes((8, 64), (8, 64), (8, 64)))
+    with pytest.raises(ClusterError, match=r"plan node \d needs 8 GPU\(s\) and 12 CPU\(s\).*10.0.0.4 \(Ray node "
+                                           r"03030303\w*\) has 4 GPU\(s\)"):
+        check_resources(needs, _nodes((8, 64), (8, 64), (8, 64), (4, 64)))
+    with pytest.raises(ClusterError, match=r"needs 8 GPU\(s\) and 12 CPU\(s\)"):
+        check_resources(needs, _nodes((8, 64), (8, 64), (8, 64), (8, 8)))  # too few CPUs for 12 actors
