@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     path = ensure_tiny_model(TinyModelSpec())
     bucket = args.bucket_kib << 10
     with ThreadPoolExecutor(args.servers) as pool:
-        futures = [pool.submit(launch_server, path, engine_args={"max_total_tokens": 4096, "mem_fraction_static": 0.3},
+        futures = [pool.submit(launch_server, path, engine_args={"max_total_tokens": 4096, "mem_fraction_static": 0.9},
                                startup_timeout_s=900.0) for _ in range(args.servers)]
     servers = [f.result() for f in futures]
     trainer = MegatronTrainer(path, TrainerConfig())
