@@ -259,7 +259,7 @@ class MegatronTrainer:
         fb = get_forward_backward_func()
         if self.cfg.pp > 1 and len({mb.packed.shape[0] for mb in mbs}) > 1:
             raise AssertionError("pipeline stages exchange [S, B, H]: rows per micro-batch must be equal under PP")
-        seq_len = max(mb.packed.shape[1] for mb in mbs) // self.cfg.cp  # tokens on this CP rank
+        seq_len = max(mb.packed.shape[1] for mb in mbs)  # the whole pack's: Megatron-Core divides by cp (and tp)
         out = fb(forward_step_func=self._forward_step(loss_of_mb), data_iterator=iter(mbs), model=[self.model],
                  num_microbatches=len(mbs), seq_length=seq_len, micro_batch_size=mbs[0].packed.shape[0],
                  forward_only=forward_only)
