@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -46,7 +47,7 @@ class LogprobOps:
                 f"{recs.version}",
             )
         if len(set(body.rids)) != len(body.rids):
-            dup = sorted({r for r in body.rids if body.rids.count(r) > 1})
+            dup = sorted(r for r, n in Counter(body.rids).items() if n > 1)
             raise ProtocolError(ErrorCode.INVALID, f"compute_logprobs names response(s) {dup[:10]} more than once")
         targets = recs.lookup(body.rids)
         tempered = [(r.rid, r.sampling.temperature) for r in targets if r.sampling.temperature not in UNTEMPERED]
