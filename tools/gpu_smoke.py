@@ -27,7 +27,10 @@ transformers requires). Its checks:
   attention's S^2 term is left out, so the MFU is a lower bound).
 
 Part B (SGLang on CUDA): `rollverify serve` on the tiny model; pause / truncate / resume of live responses; a
-weight update through the colocated transport; the engine-versus-trainer log-prob floor in bf16 against `d_s`.
+weight update through the colocated transport; the engine-versus-trainer log-prob floor in bf16 against `d_s`;
+the GPU weight transports from a trainer on the same GPU (transport_ipc: CUDA IPC handles of flattened buckets;
+transport_distributed: SGLang's weight-update group over NCCL), each followed by log-probs equal to the trainer's;
+memory_release_resume: a server with SGLang's memory saver frees and retakes GPU memory (needs torch_memory_saver).
 """
 
 from __future__ import annotations
