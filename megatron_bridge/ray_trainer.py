@@ -163,10 +163,14 @@ class RayTrainer(SpawnedTrainer):
     def _drain(self, refs: list, sink) -> None:
         """Feed rank 0's weight events to `sink` until its call ends (or any rank's call fails)."""
         import ray
+        from ray.exceptions import RayActorError
 
         silent = 0.0
         while True:
-            event = ray.get(self._actors[0].next_event.remote(1.0))
+            try:
+                event = ray.get(self._actors[0].next_event.remote(1.0))
+            except RayActorError as e:
+                raise RuntimeError(f"sync_weights: {self._name(0)} died: {e}") from None
             if event is None:
                 done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
                 if done:

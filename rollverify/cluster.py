@@ -176,8 +176,8 @@ class RayCluster:
                                   "(tools/ray_cluster.sh head) and set cluster.address=auto or HEAD_IP:6379")
             # a Ray started here (one node) counts a CPU per actor whatever the machine has: actors mostly wait
             own = {} if address else {"num_cpus": max(os.cpu_count() or 1, sum(n.cpus for n in node_needs(plan)))}
-            ray.init(address=address, log_to_driver=c.log_to_driver, include_dashboard=False,
-                     runtime_env={"env_vars": dict(NOSET_CUDA)}, **own)
+            ray.init(address=address or "local", log_to_driver=c.log_to_driver, include_dashboard=False,
+                     runtime_env={"env_vars": dict(NOSET_CUDA)}, **own)  # "local": never another one found here
             started = True
         try:
             needs = node_needs(plan)

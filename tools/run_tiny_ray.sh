@@ -23,6 +23,9 @@ while [[ $# -gt 0 ]]; do
     *) die "unknown argument $1 (see the header of $0)" ;;
   esac
 done
+# Ray's memory monitor kills actors once the machine is 95 % full, which a small shared machine reaches without
+# this run being at fault; the run's own Ray starts without it (set the variable to re-enable it)
+export RAY_memory_monitor_refresh_ms="${RAY_memory_monitor_refresh_ms:-0}"
 [[ ! -e "$OUT" ]] || die "$OUT exists; give another --out (a run folder is never overwritten here)"
 
 MODEL_ARGS=(model.path=null)  # the tiny model, made offline and cached (rollverify make-tiny-model)
