@@ -68,9 +68,9 @@ def main(argv: list[str] | None = None) -> int:
             version = 0
 
             def in_memory() -> dict:
-                before = sum(s.conn.bytes_out.get("update_weights", 0) for s in engine.servers)
+                before = sum(s.conn.bytes_out.get("update_weights", 0) for s in engine.pool.servers)
                 engine.update_weights(loop_trainer.export_weights(), version)
-                zmq = sum(s.conn.bytes_out.get("update_weights", 0) for s in engine.servers) - before
+                zmq = sum(s.conn.bytes_out.get("update_weights", 0) for s in engine.pool.servers) - before
                 return {"driver_bytes": float(model_bytes), "zmq_bytes": float(zmq)}
 
             group = f"bench-{uuid.uuid4().hex[:8]}"
