@@ -303,6 +303,19 @@ def test_world_size_2_step_equals_single_process_step(layout, moe, tied):
     assert np.abs(lp_after - lp).max() > 1e-3  # the step did move the policy
 
 
+def test_checkpoint_folders_that_are_not_this_format_are_named(tmp_path):
+    import json
+
+    from megatron_bridge.checkpoint import META_FILE, read_meta
+
+    with pytest.raises(FileNotFoundError, match=f"is not a trainer checkpoint: it has no {META_FILE}"):
+        read_meta(tmp_path)
+    (tmp_path / META_FILE).write_text(json.dumps({"world_size": 1, "arch": {}}))  # the per-rank format's meta
+    with pytest.raises(ValueError, match="of format 'per-rank torch.save'; this trainer reads 'megatron-core "
+                                         "dist_checkpointing"):
+        read_meta(tmp_path)
+
+
 def test_checkpoint_written_at_tp2_loads_at_tp1(tmp_path):
     """Megatron-Core's distributed checkpoint reshards: weights, the distributed optimizer's fp32 main params and
     Adam moments, and the schedule written by 2 TP ranks continue in one process as they would have there."""
