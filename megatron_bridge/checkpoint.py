@@ -12,6 +12,11 @@ the step). What is saved:
   shards to do so), and its param groups (step, LR);
 * the LR scheduler, the trainer's step count and weight version (common state, written once).
 
+Cost of that reshardability: while saving, every DP rank holds its model-parallel shard's whole optimizer state in
+host memory (fp32 param + two moments: 12 bytes per parameter of the TP/PP/EP shard), gathered over DP with
+the device's collective. Megatron-Core's `dp_reshardable` format avoids the gather but reloads under another DP
+size only.
+
 Loading reads `rollverify_trainer.json` first: a checkpoint of another model fails there, naming each field that
 differs, before any tensor is read. A layout that differs from the writer's is fine.
 """
