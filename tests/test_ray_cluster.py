@@ -1,0 +1,175 @@
+"""The Ray launcher (`cluster.launcher: ray`) on a Ray cluster of two simulated nodes on this machine.
+
+One module-scoped cluster (`ray.cluster_utils.Cluster`: a driver-only head and two nodes of 3 CPUs, each with a
+custom resource naming it), stopped by the module. The run: the tiny model, a trainer of world size 2 (gloo) and
+two SGLang servers, one rank and one server on each node, 3 steps of `rollverify` with the exact ledger; server 1's
+actor is killed while it holds responses, and is restarted with the current policy and its responses resubmitted.
+The fault tests need no server: they stop in the placement, before anything starts.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from rollverify.config import load_config
+
+pytestmark = [pytest.mark.engine, pytest.mark.megatron]
+
+SMALL = [
+    "rollout.batch_groups=2",
+    "rollout.n=2",
+    "rollout.max_new_tokens=48",
+    "rollout.max_live=8",
+    "eval.every=0",
+    "log.plots=false",
+    "log.tensorboard=false",
+    "log.export_final=false",
+    "trainer.lr=1e-4",
+    "cluster.launcher=ray",
+    "cluster.nodes=2",
+    "cluster.log_to_driver=false",
+    "trainer.dp=2",
+    "rollout.n_servers=2",
+    "rollout.server_timeout_s=900",  # startup included: the shared 2-core machine can take minutes
+    "rollout.engine_args.mem_fraction_static=0.3",  # SGLang's CPU pool check reads free RAM, low on a shared machine
+]
+NODE_CPUS = 3  # one trainer rank + one server per node, and a spare one
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import os
+
+    import ray
+    from ray.cluster_utils import Cluster
+
+    # Ray's own memory monitor kills actors once the machine is 95 % full, which a machine shared with other
+    # test runs reaches; the nodes inherit this process's environment
+    saved = os.environ.get("RAY_memory_monitor_refresh_ms")
+    os.environ["RAY_memory_monitor_refresh_ms"] = "0"
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    try:
+        for k in range(2):
+            cluster.add_node(num_cpus=NODE_CPUS, resources={f"rv_node_{k}": 1})
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False)
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        if saved is None:
+            os.environ.pop("RAY_memory_monitor_refresh_ms", None)
+        else:
+            os.environ["RAY_memory_monitor_refresh_ms"] = saved
+
+
+def _label(node_id: str) -> str:
+    """The custom resource that names a simulated node (all of them share this machine's address)."""
+    import ray
+
+    (node,) = [n for n in ray.nodes() if n["NodeID"] == node_id]
+    return next(k for k in node["Resources"] if k.startswith("rv_node_"))
+
+
+def _distributed_run(cfg, out):
+    """`rollverify train`'s Run, its weights through the distributed transport (trainer rank 0 broadcasts each
+    bucket over a gloo group to both servers; the disaggregated layout's transport, which a CPU config cannot
+    select: the colocated one shares memory, which nodes do not)."""
+    from rollverify.train import Run
+    from sglang_ext.weight_transport import TransportWeights
+
+    class DistributedRun(Run):
+        def _weight_sync(self):
+            return TransportWeights(self.engine, self.trainer, "distributed", colocated=False, timeout_s=300.0)
+
+    return DistributedRun(cfg, out)
+
+
+def test_rollverify_steps_over_two_nodes_survive_a_killed_server(ray_cluster, tmp_path):
+    import ray
+
+    cfg = load_config(None, [*SMALL, "trainer.steps=3", "algo.mode=rollverify", f"cluster.address={ray_cluster.address}"])
+    run = _distributed_run(cfg, tmp_path)
+    killed = threading.Event()
+    stop = threading.Event()
+
+    def kill_server_1_while_it_holds_responses() -> None:
+        # during step 2's rollout (the policy is then at version 1): server 1's actor dies with work on it
+        while not stop.wait(0.05):
+            s = run.engine.pool.servers[1]
+            if run.loop.step == 1 and s.alive and s.rids:
+                ray.kill(s.process.actor)
+                killed.set()
+                return
+
+    try:
+        assert {_label(n.node_id) for n in run.cluster.nodes} == {"rv_node_0", "rv_node_1"}
+        ranks = [_label(n) for n in run.trainer.trainer.rank_nodes]
+        servers = [_label(s.process.info["node_id"]) for s in run.engine.pool.servers]
+        assert sorted(ranks) == sorted(servers) == ["rv_node_0", "rv_node_1"]  # one of each per node
+        assert all(s.conn.endpoint.startswith("tcp://") and "127.0.0.1" not in s.conn.endpoint
+                   for s in run.engine.pool.servers)  # off loopback: CURVE is on (the server refuses it otherwise)
+        from sglang_ext.launch import ServerStartError
+        from sglang_ext.ray_server import RunKeys, check_keys
+
+        with pytest.raises(ServerStartError, match=r"server 0 \(plan node 0 .*the keys do not match"):
+            check_keys([run.engine.pool.servers[0].process], RunKeys.make().client(), timeout_s=2)  # another run's keys
+        killer = threading.Thread(target=kill_server_1_while_it_holds_responses, daemon=True)
+        killer.start()
+        rows = [run.loop.run_step() for _ in range(3)]  # run_step checks the ledger's invariant every step
+        stop.set()
+        killer.join()
+        assert killed.is_set(), "server 1 never held responses during step 2"
+        (fault,) = run.engine.faults
+        assert fault["server"] == 1 and fault["restarted"] and fault["lost"]
+        assert fault["version"] == 1
+        ledger = run.loop.ledger
+        assert ledger.trained == 3 * 2 * 2  # steps x B x n
+        assert [r.metrics["policy_version"] for r in rows] == [1, 2, 3]
+        versions = [h["version"] for h in run.engine.health()]
+        assert versions == [3, 3], versions  # the weights reached both servers, the restarted one included
+    finally:
+        stop.set()
+        run.close()
+    assert run.cluster is None
+    from ray.util import placement_group_table
+
+    assert all(pg["state"] == "REMOVED" for pg in placement_group_table().values())
+
+
+def _plan(*overrides: str):
+    from rollverify.plan import check
+
+    return check(load_config(None, [*SMALL, *overrides]))
+
+
+def test_a_node_that_does_not_join_in_time_is_named(ray_cluster):
+    from rollverify.cluster import ClusterError, RayCluster
+
+    with pytest.raises(ClusterError, match=r"cluster.nodes = 3 but 2 Ray node\(s\)") as e:
+        RayCluster.start(_plan("cluster.nodes=3", "trainer.dp=3", "rollout.n_servers=3", "cluster.join_timeout_s=1"))
+    assert "tools/ray_cluster.sh worker" in str(e.value)
+
+
+def test_fewer_gpus_or_cpus_than_the_plan_needs_are_refused_naming_the_node(ray_cluster):
+    from rollverify.cluster import ClusterError, RayCluster
+
+    with pytest.raises(ClusterError, match=r"plan node \d needs 1 GPU\(s\) and 2 CPU\(s\).*has 0 GPU\(s\)"):
+        RayCluster.start(_plan("cluster.gpus_per_node=1", "cluster.join_timeout_s=5"))
+    with pytest.raises(ClusterError, match=r"plan node \d needs 4 CPU\(s\) \(1 trainer rank\(s\), 3 server\(s\)\)"):
+        RayCluster.start(_plan("rollout.n_servers=6", "rollout.max_live=12", "cluster.join_timeout_s=5"))
+    from ray.util import placement_group_table
+
+    assert all(pg["state"] == "REMOVED" for pg in placement_group_table().values())  # nothing reserved
+
+
+def test_a_model_path_missing_on_the_nodes_is_named_per_node(ray_cluster, tmp_path):
+    from rollverify.cluster import ClusterError, RayCluster
+
+    with pytest.raises(ClusterError) as e:
+        RayCluster.start(_plan("cluster.join_timeout_s=30"), [str(tmp_path / "no-model") + "/"])
+    lines = str(e.value).splitlines()[1:]
+    assert len(lines) == 2 and all("no-model/ does not exist on plan node" in x for x in lines)
+    assert {x.split("plan node ")[1][0] for x in lines} == {"0", "1"}
