@@ -116,8 +116,9 @@ def cli_main(argv: list[str] | None = None) -> int:
         prog="rollverify demo",
         description="Train the tiny CPU model with on-policy GRPO and with RollVerify (same seed, same steps, one "
         "shared SGLang server), then print a table of rewards, times, off-policy shift and acceptance, and "
-        "draw a comparison plot. About 3 minutes on an idle 2-core machine; the first run also makes the tiny "
-        "model (about a minute, then cached).",
+        "draw a comparison plot. About 3 minutes on an idle 2-core machine for the training, plus one evaluation "
+        "of 512 prompts x 2 samples per run at its last step (about as many tokens as the training's rollouts); "
+        "the first run also makes the tiny model (about a minute, then cached).",
         epilog="example: rollverify demo --modes on_policy partial rollverify --steps 20 seed=1",
     )
     p.add_argument("--config", default="tiny_cpu", help="YAML config or a shipped config's name (default tiny_cpu)")
@@ -131,6 +132,8 @@ def cli_main(argv: list[str] | None = None) -> int:
         "--modes", nargs="+", default=list(MODES), help="algo.mode of each run; on_policy is the baseline "
         "(also: partial, staleness_filter, ops_filter)"
     )
+    p.add_argument("--start-timeout", type=float, default=300.0, metavar="S",
+                   help="seconds the SGLang server may take to start (default 300; more on a loaded machine)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides applied to every run")
     a = p.parse_args(argv)
 
@@ -159,7 +162,8 @@ def cli_main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         with stage("server") as st:
-            server = launch_server(model, engine_args=dict(cfg0.rollout.engine_args), log_path=out / "server.log")
+            server = launch_server(model, engine_args=dict(cfg0.rollout.engine_args), log_path=out / "server.log",
+                                   startup_timeout_s=a.start_timeout)
             st.detail = f"SGLang at {server.endpoint} (log: {out / 'server.log'})"
     except ServerStartError as e:
         print(f"error: the SGLang server did not start: {e}", file=sys.stderr)
