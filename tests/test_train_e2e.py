@@ -98,3 +98,54 @@ def test_config_errors_stop_before_anything_starts(tmp_path, capsys):
     assert not (tmp_path / "x").exists()
     rc = cli_main(["train", "--config", "configs/tiny_cpu.yaml", "--out", str(tmp_path / "y"), "algo.mode=fast"])
     assert rc == 2 and "algo.mode" in capsys.readouterr().err
+
+
+def test_engine_side_verification_matches_the_trainer_with_exact_accounting(server, tmp_path, monkeypatch):
+    """algo.verify_on: engine on the real server and trainer (float32): three steps with the exact ledger, every
+    carried response's new log-probs from the engine and none from the trainer; then, on the buffer the last step
+    left, engine and trainer log-probs under the same weights agree per token within 1e-4 and verification cuts it
+    at the same places from either."""
+    import math
+
+    import numpy as np
+    import torch
+
+    from rollverify.strategies import RollVerify
+    from rollverify.train import Run
+    from rollverify.verify import token_ops
+
+    cfg = load_config(None, [*SMALL, "trainer.steps=3", f"rollout.endpoints=[\"{server.endpoint}\"]",
+                             "algo.mode=rollverify", "algo.verify_on=engine", "algo.conditional_switch=false"])
+    run_ = Run(cfg, tmp_path / "run")
+    try:
+        forwards = []
+        compute = run_.trainer.compute_logprobs
+        monkeypatch.setattr(run_.trainer, "compute_logprobs", lambda rs, t: forwards.append(len(rs)) or compute(rs, t))
+        rows = [run_.loop.run_step().metrics for _ in range(3)]  # Ledger.check runs inside
+        assert [r["policy_version"] for r in rows] == [1, 2, 3]
+        assert sum(r["n_carried"] for r in rows) > 0 and forwards == []
+        assert all(r["n_logprobs_on_engine"] == r["n_carried"] for r in rows if r["n_carried"])
+
+        carried = run_.loop.buffer.carried_over()
+        assert sum(r.num_tokens for r in carried) > 0
+        on_engine = run_.engine.compute_logprobs(carried)
+        on_trainer = compute(carried, cfg.rollout.temperature)
+        diff = max(float(np.abs(a - b).max(initial=0.0)) for a, b in zip(on_engine, on_trainer, strict=True))
+        assert diff < 1e-4, diff
+
+        # a token threshold in the widest gap of the middle half of the carried tokens' OPS cuts responses in
+        # the middle, and no token's OPS lies near it
+        ops = token_ops(torch.from_numpy(np.concatenate([r.logprobs for r in carried])),
+                        torch.from_numpy(np.concatenate(on_trainer)))
+        mid = np.sort(ops.numpy())[len(ops) // 4: 3 * len(ops) // 4 + 1]
+        i = int(np.argmax(np.diff(mid)))
+        assert mid[i + 1] - mid[i] > 1e-5, mid
+        middle_cuts = []
+        for strategy in (RollVerify(math.inf, float(mid[i] + mid[i + 1]) / 2), RollVerify(cfg.algo.d_s, cfg.algo.d_t)):
+            a = strategy.apply(carried, on_engine, run_.loop.version)
+            b = strategy.apply(carried, on_trainer, run_.loop.version)
+            assert a.keep_lengths.tolist() == b.keep_lengths.tolist()
+            middle_cuts.append(int(((a.keep_lengths > 0) & (a.keep_lengths < a.lengths)).sum()))
+        assert middle_cuts[0] > 0
+    finally:
+        run_.close()
