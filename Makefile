@@ -9,7 +9,7 @@ REQS := requirements/$(PROFILE).txt requirements/sglang.txt pyproject.toml
 STAMP := $(VENV)/.rollverify-$(PROFILE)-$(shell cat $(REQS) 2>/dev/null | sha256sum | cut -c1-16)
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint check-gpu-resolve clean-venv
+.PHONY: setup demo test test-slow lint check-gpu-resolve clean-venv
 
 setup: $(STAMP)
 
@@ -31,8 +31,12 @@ $(STAMP):
 demo: setup
 	$(VENV)/bin/rollverify demo
 
+# every test except those marked slow (over ~90 s each here); `make test-slow` runs those
 test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+test-slow: setup
+	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check rollverify sglang_ext megatron_bridge tools tests

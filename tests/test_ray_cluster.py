@@ -87,6 +87,7 @@ def _distributed_run(cfg, out):
     return DistributedRun(cfg, out)
 
 
+@pytest.mark.slow
 def test_rollverify_steps_over_two_nodes_survive_a_killed_server(ray_cluster, tmp_path):
     import ray
 
