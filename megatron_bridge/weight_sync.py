@@ -360,4 +360,12 @@ def serialize_flattened(flat: torch.Tensor, meta: BucketMeta) -> bytes:
         metadata.append(FlattenedTensorMetadata(name=name, shape=torch.Size(shape), dtype=getattr(torch, dtype),
                                                 start_idx=offset, end_idx=offset + n, numel=n))
         offset += n
-    return MultiprocessingSerializer.serialize({"flattened_tensor": flat, "metadata": metadata})
+    payload = {"flattened_tensor": flat, "metadata": metadata}
+    for attempt in range(4):  # on CPU, torch's shared-memory manager handshake can time out on a loaded machine;
+        try:  # nothing has left this process then, so the same bucket is serialized again
+            return MultiprocessingSerializer.serialize(payload)
+        except RuntimeError as e:
+            if "Shared memory manager" not in str(e) or attempt == 3:
+                raise
+            time.sleep(0.5 * (attempt + 1))
+    raise AssertionError("unreachable")
