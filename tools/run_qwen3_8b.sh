@@ -10,60 +10,25 @@
 # arguments go last and win. --plan: print the placement and memory (`rollverify plan`) and stop; needs no
 # GPU, model or data. NOTHING OF THIS HAS RUN ON A GPU (docs/cluster.md says what has).
 set -euo pipefail
+# shellcheck source-path=SCRIPTDIR source=run_common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/run_common.sh"
 
 MODEL="${MODEL:-/models/Qwen3-8B-Base}"
 DATA="${DATA:-data/dapo-math-17k.parquet}"
 EVAL="${EVAL:-data/aime24.parquet}"
 OUT="runs/qwen3-8b-$(date +%Y%m%d-%H%M%S)"
-PLACEMENT=colocated
-EXTRA_ARGS=()
-while [[ $# -gt 0 ]]; do
-  case "$1" in
-    --disaggregated) PLACEMENT=disaggregated; shift ;;
-    --plan) PLAN_ONLY=1; shift ;;
-    --out) OUT="$2"; shift 2 ;;
-    *=*) EXTRA_ARGS+=("$1"); shift ;;
-    *) die "unknown argument $1 (see the header of $0)" ;;
-  esac
-done
+parse_paper_args "$@"
+need_paper_inputs
 
-if [[ -z "${PLAN_ONLY:-}" ]]; then
-  need_model "$MODEL"
-  need_file "$DATA" DATA
-  need_file "$EVAL" EVAL
-fi
-
-MODEL_ARGS=(model.path="$MODEL" model.dtype=bfloat16)
-DATA_ARGS=(task.name=math task.options.train_path="$DATA" task.options.eval_path="$EVAL")
-CLUSTER_ARGS=(cluster.launcher=ray cluster.address="${RAY_ADDRESS:-auto}" cluster.nodes=4 cluster.gpus_per_node=8
-              cluster.placement="$PLACEMENT")
-# paper, Sec. 5.1: 128 prompts x 8 responses, 32K context (2K prompt + 30K response)
-ROLLOUT_ARGS=(rollout.batch_groups=128 rollout.n=8 rollout.max_new_tokens=30720 rollout.temperature=1.0
-              rollout.engine_args.tp_size=2 rollout.engine_args.context_length=32768
-              rollout.engine_args.max_running_requests=24)
-ALGO_ARGS=(algo.mode=rollverify algo.d_s=0.01 algo.d_t=2.0 algo.conditional_switch=true algo.switch_window=8
-           algo.switch_tau=0.5)
-TRAINER_ARGS=(trainer.steps=500 trainer.lr=1e-6 trainer.eps_low=0.2 trainer.eps_high=0.3 trainer.use_tis=true
-              trainer.tis_cap=2.0 trainer.tp=2 trainer.sequence_parallel=true trainer.recompute=full)
+paper_args
+ROLLOUT_ARGS+=(rollout.engine_args.tp_size=2 rollout.engine_args.max_running_requests=24)
+TRAINER_ARGS+=(trainer.tp=2 trainer.recompute=full)
 if [[ "$PLACEMENT" == colocated ]]; then
-  CLUSTER_ARGS+=(cluster.rollout_gpus=0)
-  ROLLOUT_ARGS+=(rollout.n_servers=16 rollout.max_live=384 rollout.engine_args.mem_fraction_static=0.85)
+  ROLLOUT_ARGS+=(rollout.n_servers=16 rollout.max_live=384)
   TRAINER_ARGS+=(trainer.dp=16)
 else
-  CLUSTER_ARGS+=(cluster.rollout_gpus=16)
-  ROLLOUT_ARGS+=(rollout.n_servers=8 rollout.max_live=192 rollout.engine_args.mem_fraction_static=0.85)
+  ROLLOUT_ARGS+=(rollout.n_servers=8 rollout.max_live=192)
   TRAINER_ARGS+=(trainer.dp=8)
 fi
-LOG_ARGS=(eval.every=10 log.checkpoint_every=20)
 
-show MODEL_ARGS "${MODEL_ARGS[@]}"
-show DATA_ARGS "${DATA_ARGS[@]}"
-show CLUSTER_ARGS "${CLUSTER_ARGS[@]}"
-show ROLLOUT_ARGS "${ROLLOUT_ARGS[@]}"
-show ALGO_ARGS "${ALGO_ARGS[@]}"
-show TRAINER_ARGS "${TRAINER_ARGS[@]}"
-show LOG_ARGS "${LOG_ARGS[@]}"
-show EXTRA_ARGS "${EXTRA_ARGS[@]}"
-run_job qwen3_8b_base "$OUT" "${MODEL_ARGS[@]}" "${DATA_ARGS[@]}" "${CLUSTER_ARGS[@]}" "${ROLLOUT_ARGS[@]}" \
-  "${ALGO_ARGS[@]}" "${TRAINER_ARGS[@]}" "${LOG_ARGS[@]}" "${EXTRA_ARGS[@]}"
+show_and_run qwen3_8b_base "$OUT" "${PAPER_ARRAYS[@]}"

@@ -9,7 +9,9 @@
 #
 # Default: 3 steps of rollverify with 2 trainer ranks (gloo) and 2 servers. --local runs the same job with the
 # local launcher instead (no Ray), to compare wall times. Extra KEY=VALUE arguments go last and win.
+# shellcheck disable=SC2034  # the argument arrays go to show_and_run by name
 set -euo pipefail
+# shellcheck source-path=SCRIPTDIR source=run_common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/run_common.sh"
 
 OUT="runs/tiny-ray-$(date +%Y%m%d-%H%M%S)"
@@ -35,13 +37,4 @@ ROLLOUT_ARGS=(rollout.n_servers=2 rollout.batch_groups=4 rollout.n=4 rollout.max
 ALGO_ARGS=(algo.mode=rollverify)
 TRAINER_ARGS=(trainer.steps=3 trainer.dp=2)
 LOG_ARGS=(eval.every=0 log.plots=false log.tensorboard=false log.checkpoint_every=0 log.export_final=false)
-show MODEL_ARGS "${MODEL_ARGS[@]}"
-show CLUSTER_ARGS "${CLUSTER_ARGS[@]}"
-show ROLLOUT_ARGS "${ROLLOUT_ARGS[@]}"
-show ALGO_ARGS "${ALGO_ARGS[@]}"
-show TRAINER_ARGS "${TRAINER_ARGS[@]}"
-show LOG_ARGS "${LOG_ARGS[@]}"
-show EXTRA_ARGS "${EXTRA_ARGS[@]}"
-
-run_job tiny_cpu "$OUT" "${MODEL_ARGS[@]}" "${CLUSTER_ARGS[@]}" "${ROLLOUT_ARGS[@]}" "${ALGO_ARGS[@]}" \
-  "${TRAINER_ARGS[@]}" "${LOG_ARGS[@]}" "${EXTRA_ARGS[@]}"
+show_and_run tiny_cpu "$OUT" MODEL_ARGS CLUSTER_ARGS ROLLOUT_ARGS ALGO_ARGS TRAINER_ARGS LOG_ARGS EXTRA_ARGS
