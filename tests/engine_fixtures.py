@@ -25,6 +25,18 @@ import pytest
 
 from rollverify.tiny_model import TinyModelSpec, ensure_tiny_model
 
+# A `rollverify train` run of seconds on the tiny model (config overrides): the end-to-end tests and the Ray test
+# extend it with what they are about.
+SMALL_RUN = [
+    "rollout.batch_groups=2",
+    "rollout.n=2",
+    "rollout.max_new_tokens=48",
+    "rollout.max_live=8",
+    "log.plots=false",
+    "log.tensorboard=false",
+    "trainer.lr=1e-4",
+]
+
 # ---------------------------------------------------------------------------------------------- real servers
 
 

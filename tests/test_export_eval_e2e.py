@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from engine_fixtures import SMALL_RUN
 
 from rollverify.cli import main as cli_main
 from rollverify.config import load_config
@@ -15,16 +16,6 @@ from rollverify.tasks import get_task
 from rollverify.train import resolve_model, train
 
 pytestmark = [pytest.mark.engine, pytest.mark.megatron]
-
-SMALL = [
-    "rollout.batch_groups=2",
-    "rollout.n=2",
-    "rollout.max_new_tokens=48",
-    "rollout.max_live=8",
-    "log.plots=false",
-    "log.tensorboard=false",
-    "trainer.lr=1e-4",
-]
 
 
 def _tensors(folder):
@@ -44,7 +35,7 @@ def served_export(tmp_path_factory):
     from sglang_ext import cpu_compat
     from sglang_ext.launch import launch_server
 
-    cfg = load_config(None, SMALL)
+    cfg = load_config(None, SMALL_RUN)
     model = resolve_model(cfg)
     out = tmp_path_factory.mktemp("export") / "init"
     trainer = start_trainer(cfg, model)
@@ -67,7 +58,7 @@ def test_train_export_and_eval(served_export, tmp_path):
         p.write_text("".join(json.dumps({"prompt": x.prompt, "label": x.label}) + "\n" for x in ex[i:]))
     sets_arg = "eval.sets={" + ", ".join(f"{k}: {v}" for k, v in sets.items()) + "}"
     endpoint = f'rollout.endpoints=["{server.endpoint}"]'
-    cfg = load_config(None, [*SMALL, endpoint, "trainer.steps=2", "eval.every=2", "eval.n_samples=2", sets_arg,
+    cfg = load_config(None, [*SMALL_RUN, endpoint, "trainer.steps=2", "eval.every=2", "eval.n_samples=2", sets_arg,
                              "log.export_every=1", "log.checkpoint_every=2"])
     run = tmp_path / "run"
     train(cfg, run, progress=False)

@@ -12,21 +12,16 @@ from __future__ import annotations
 import threading
 
 import pytest
+from engine_fixtures import SMALL_RUN
 
 from rollverify.config import load_config
 
 pytestmark = [pytest.mark.engine, pytest.mark.megatron]
 
 SMALL = [
-    "rollout.batch_groups=2",
-    "rollout.n=2",
-    "rollout.max_new_tokens=48",
-    "rollout.max_live=8",
+    *SMALL_RUN,
     "eval.every=0",
-    "log.plots=false",
-    "log.tensorboard=false",
     "log.export_final=false",
-    "trainer.lr=1e-4",
     "cluster.launcher=ray",
     "cluster.nodes=2",
     "cluster.log_to_driver=false",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from engine_fixtures import SMALL_RUN
 
 from rollverify.cli import main as cli_main
 from rollverify.config import load_config
@@ -16,16 +17,7 @@ from rollverify.train import resolve_model, train
 
 pytestmark = [pytest.mark.engine, pytest.mark.megatron]
 
-SMALL = [
-    "rollout.batch_groups=2",
-    "rollout.n=2",
-    "rollout.max_new_tokens=48",
-    "rollout.max_live=8",
-    "eval.every=0",
-    "log.plots=false",
-    "log.tensorboard=false",
-    "trainer.lr=1e-4",
-]
+SMALL = [*SMALL_RUN, "eval.every=0"]
 
 
 @pytest.fixture(scope="module")
