@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from sglang_ext.dispatch import Handler, Reply
 from sglang_ext.protocol import (
@@ -191,11 +191,9 @@ class TransportOps:
         elif stream is None or (stream.transport, stream.version, stream.next_bucket) != (transport, version, index):
             expect = "bucket 0" if stream is None else (
                 f"bucket {stream.next_bucket} of version {stream.version} ({stream.transport})")
-            await self._end_stream(f"bucket {index} of version {version} arrived out of sequence")
-            raise ProtocolError(
-                ErrorCode.WEIGHT_SEQUENCE,
-                f"got {transport} bucket {index} of version {version} but expected {expect}; the stream was "
-                f"ended. {self._state()}",
+            await self._refuse_out_of_sequence(
+                f"bucket {index} of version {version} arrived out of sequence",
+                f"got {transport} bucket {index} of version {version} but expected {expect}; the stream was ended",
             )
         t0 = time.perf_counter()
         async with self.server.engine_calls.call():
@@ -225,12 +223,9 @@ class TransportOps:
         if stream is None or (stream.transport, stream.version, stream.next_bucket) != (transport, version, buckets):
             got = "no stream" if stream is None else (
                 f"{stream.next_bucket} bucket(s) of version {stream.version} ({stream.transport})")
-            if stream is not None:
-                await self._end_stream(f"commit of {buckets} bucket(s) of version {version} did not match {got}")
-            raise ProtocolError(
-                ErrorCode.WEIGHT_SEQUENCE,
-                f"commit of {buckets} {transport} bucket(s) of version {version}, but this server has {got}. "
-                f"{self._state()}",
+            await self._refuse_out_of_sequence(
+                f"commit of {buckets} bucket(s) of version {version} did not match {got}",
+                f"commit of {buckets} {transport} bucket(s) of version {version}, but this server has {got}",
             )
         t0 = time.perf_counter()
         async with self.server.engine_calls.call():
@@ -246,6 +241,12 @@ class TransportOps:
         self.records.blocked = None
         return {"version": version, "committed": True, "buckets": buckets, "tensors": stream.tensors,
                 "engine_s": stream.engine_s + time.perf_counter() - t0}, None, None
+
+    async def _refuse_out_of_sequence(self, why: str, message: str) -> NoReturn:
+        """A bucket or commit that does not continue the stream: the stream ends (as an abort would, `why`
+        recorded where a bucket had loaded) and the step is refused with WEIGHT_SEQUENCE."""
+        await self._end_stream(why)
+        raise ProtocolError(ErrorCode.WEIGHT_SEQUENCE, f"{message}. {self._state()}")
 
     async def _end_stream(self, why: str) -> None:
         """Close SGLang's session of a stream that will not commit. Once a bucket has loaded the engine holds
