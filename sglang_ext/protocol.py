@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 PROTOCOL_VERSION = 1
 MAX_HEADER_BYTES = 16 << 20
@@ -495,6 +495,16 @@ class _StreamBody(_Body):
     shapes: list[list[Annotated[int, Field(ge=0, le=INT64_MAX)]]] = Field(default_factory=list, max_length=1 << 16)
     buckets: Count = 0
     reason: str = Field("", max_length=4096)
+
+    @model_validator(mode="after")
+    def _one_dtype_and_shape_per_name(self) -> _StreamBody:
+        n = len(self.names)
+        if self.step == "bucket" and (n == 0 or not n == len(self.dtypes) == len(self.shapes)):
+            raise ValueError(
+                f"a bucket needs one dtype and one shape per name, at least one name (got {n} names, "
+                f"{len(self.dtypes)} dtypes, {len(self.shapes)} shapes). Nothing was applied"
+            )
+        return self
 
 
 class DistributedBucketBody(_StreamBody):

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NoReturn
 
 from sglang_ext.dispatch import Handler, Reply
+from sglang_ext.ops.weights import WEIGHT_DTYPES
 from sglang_ext.protocol import (
     DistributedBucketBody,
     ErrorCode,
@@ -35,7 +36,6 @@ from sglang_ext.protocol import (
 if TYPE_CHECKING:
     from sglang_ext.server import ControlServer
 
-WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
 
@@ -155,13 +155,8 @@ class TransportOps:
     # ------------------------------------------------------------------------------------- streaming
 
     def _check_meta(self, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> None:
-        """Every tensor of a bucket against the served checkpoint, before any byte is received."""
-        if not names or not len(names) == len(dtypes) == len(shapes):
-            raise ProtocolError(
-                ErrorCode.INVALID,
-                f"a bucket needs one dtype and one shape per name, at least one name (got {len(names)} names, "
-                f"{len(dtypes)} dtypes, {len(shapes)} shapes). Nothing was applied",
-            )
+        """Every tensor of a bucket against the served checkpoint, before any byte is received (the body's
+        validation made names, dtypes and shapes one per tensor)."""
         served = self.server.info.weights
         problems = []
         for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
