@@ -346,9 +346,10 @@ def ipc_sender(control: BucketControl, tp_size: int) -> Callable[[torch.Tensor, 
 def serialize_flattened(flat: torch.Tensor, meta: BucketMeta) -> bytes:
     """SGLang's payload for one flattened bucket: `{"flattened_tensor", "metadata"}` with its own classes (its
     unpickler refuses anything else), pickled the way its `MultiprocessingSerializer` does."""
-    from sglang.srt.utils import MultiprocessingSerializer
     from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
+
+    from sglang_ext.tensor_payload import serialize_tensors  # retries torch's shared-memory handshake (CPU)
 
     if flat.is_cuda:
         monkey_patch_torch_reductions()  # device index -> GPU UUID: the server sees other CUDA_VISIBLE_DEVICES
@@ -360,12 +361,4 @@ def serialize_flattened(flat: torch.Tensor, meta: BucketMeta) -> bytes:
         metadata.append(FlattenedTensorMetadata(name=name, shape=torch.Size(shape), dtype=getattr(torch, dtype),
                                                 start_idx=offset, end_idx=offset + n, numel=n))
         offset += n
-    payload = {"flattened_tensor": flat, "metadata": metadata}
-    for attempt in range(4):  # on CPU, torch's shared-memory manager handshake can time out on a loaded machine;
-        try:  # nothing has left this process then, so the same bucket is serialized again
-            return MultiprocessingSerializer.serialize(payload)
-        except RuntimeError as e:
-            if "Shared memory manager" not in str(e) or attempt == 3:
-                raise
-            time.sleep(0.5 * (attempt + 1))
-    raise AssertionError("unreachable")
+    return serialize_tensors({"flattened_tensor": flat, "metadata": metadata})

@@ -8,7 +8,6 @@ whole process tree), and it reaps SGLang's children when a start fails, so no pr
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import logging
@@ -20,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from sglang_ext.tensor_payload import serialize_tensors
 
 log = logging.getLogger("sglang_ext.engine")
 
@@ -253,22 +254,6 @@ class GenResult:
     error: str | None = None
 
 
-async def _serialize(serializer: Any, named: list[tuple[str, Any]], attempts: int = 4) -> bytes:
-    """SGLang's tensor serialization, retried when torch's shared-memory manager does not answer in time.
-
-    On CPU the tensors travel through torch's file_system sharing, whose manager handshake can time out on a
-    loaded machine; nothing has reached SGLang at that point, so trying the same bucket again is safe."""
-    for attempt in range(attempts):
-        try:
-            return serializer.serialize(named)
-        except RuntimeError as e:
-            if "Shared memory manager" not in str(e) or attempt == attempts - 1:
-                raise
-            log.warning("serializing a weight bucket: %s; retrying", str(e).splitlines()[0])
-            await asyncio.sleep(0.5 * (attempt + 1))
-    raise AssertionError("unreachable")
-
-
 class EngineHandle:
     """An in-process SGLang Engine and the coroutines the server awaits on its loop."""
 
@@ -491,14 +476,13 @@ class EngineHandle:
             EndWeightUpdateReqInput,
             UpdateWeightsFromTensorReqInput,
         )
-        from sglang.srt.utils import MultiprocessingSerializer
 
         ok, msg = await self.tm.begin_weight_update(BeginWeightUpdateReqInput(), None)
         if not ok:
             raise RuntimeError(f"begin_weight_update: {msg}")
         try:
             for named in buckets:
-                payload = [await _serialize(MultiprocessingSerializer, named) for _ in range(self.tp_size)]
+                payload = [serialize_tensors(named) for _ in range(self.tp_size)]
                 obj = UpdateWeightsFromTensorReqInput(serialized_named_tensors=payload, flush_cache=False)
                 ok, msg = await self.tm.update_weights_from_tensor(obj, None)
                 if not ok:
