@@ -98,3 +98,40 @@ def split_for_data_parallel(lengths: list[int], dp: int) -> list[list[int]]:
         parts[r].append(i)
         loads[r] += lengths[i]
     return [sorted(p) for p in parts]
+
+
+def sequences(batch) -> list[TrainSequence]:
+    """`batch` as a list, every item a TrainSequence (the trainer's methods take any sequence of them)."""
+    seqs = list(batch)
+    for i, s in enumerate(seqs):
+        if not isinstance(s, TrainSequence):
+            raise TypeError(f"sequence {i} is a {type(s).__name__}, not a TrainSequence "
+                            "(megatron_bridge.loop_adapter.train_sequence converts a rollverify Response)")
+    return seqs
+
+
+def check_batch(seqs: list[TrainSequence], *, max_seq_len: int, context_length: int, vocab_size: int) -> None:
+    """Every rank checks the whole batch before any forward: too long a sequence, or a token outside the
+    vocabulary, fails here with its numbers instead of inside a collective. `max_seq_len` is the trainer's
+    setting (0: the model's `context_length`)."""
+    limit = max_seq_len or context_length
+    for i, s in enumerate(seqs):
+        if s.num_inputs > limit:
+            raise ValueError(
+                f"sequence {i} has {s.prompt_ids.size} prompt + {s.gen_ids.size} generated tokens = "
+                f"{s.num_inputs} model inputs, more than the trainer's context of {limit} (trainer "
+                f"max_seq_len={max_seq_len}, model context {context_length}): shorten the response or raise "
+                f"max_seq_len")
+        lo = min(int(s.prompt_ids.min()), int(s.gen_ids.min()))
+        hi = max(int(s.prompt_ids.max()), int(s.gen_ids.max()))
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(f"sequence {i} has token ids in [{lo}, {hi}], outside the model's vocabulary "
+                             f"[0, {vocab_size})")
+
+
+def check_all_routes(seqs: list[TrainSequence], num_layers: int, top_k: int, num_experts: int) -> None:
+    """Every rank checks every sequence's routes, so a bad array fails all ranks before any collective."""
+    from megatron_bridge.replay import check_routes  # replay builds on this module
+
+    for i, s in enumerate(seqs):
+        check_routes(s, num_layers, top_k, num_experts, where=str(i))

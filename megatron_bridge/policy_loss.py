@@ -18,8 +18,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from megatron_bridge.batch import MicroBatch, TrainSequence
 from rollverify import losses
 from rollverify.config import TrainerConfig
 
@@ -86,3 +88,48 @@ def terms(lp: torch.Tensor, old_lp: torch.Tensor, rollout_lp: torch.Tensor | Non
         else:
             stats[f"{k}_sum"] = v.detach().float() * n_tok.float()
     return LossTerms(total, count.to(torch.int), stats)
+
+
+def loss_inputs(seqs: list[TrainSequence], mb: MicroBatch, old: list[np.ndarray], use_tis: bool) -> dict:
+    """The per-token inputs of `mb`'s loss, flat over its generated tokens: advantages (a scalar broadcast
+    over its sequence), loss mask, old log-probs (`old[i]` of batch sequence i) and, with `use_tis`, the
+    engine's log-probs."""
+    adv, mask, rollout, o = [], [], [], []
+    for i in mb.seq_index:
+        s = seqs[i]
+        g = s.gen_ids.size
+        a = np.asarray(s.advantage, dtype=np.float32)
+        adv.append(np.broadcast_to(a, (g,)) if a.ndim == 0 else a.reshape(g))
+        mask.append(np.ones(g, np.float32) if s.loss_mask is None else np.asarray(s.loss_mask, np.float32))
+        rollout.append(np.asarray(s.rollout_logprobs, np.float32) if s.rollout_logprobs is not None
+                       else np.zeros(g, np.float32))
+        o.append(old[i])
+    cat = (lambda xs: torch.from_numpy(np.concatenate(xs).astype(np.float32))) if mb.seq_index else \
+        (lambda xs: torch.zeros(0))
+    return {"adv": cat(adv), "mask": cat(mask), "old": cat(o), "rollout": cat(rollout) if use_tis else None}
+
+
+def micro_batch_loss(lp: torch.Tensor, ent: torch.Tensor, x: dict, counts: list[int],
+                     cfg: TrainerConfig) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Megatron's loss_func result for one micro-batch: (loss sum, normaliser count, CPU statistics), from
+    its log-probs `lp`, entropies `ent` and `loss_inputs` `x`."""
+    dev = lp.device
+    rollout = x["rollout"].to(dev) if x["rollout"] is not None else None
+    t = terms(lp, x["old"].to(dev), rollout, x["adv"].to(dev), x["mask"].to(dev), counts, cfg)
+    stats = {k: v.detach().float().cpu() for k, v in t.stats.items()}
+    stats["entropy_sum"] = (ent.detach().float().cpu() * x["mask"]).sum()
+    stats["loss_total"] = t.loss_sum.detach().float().cpu()
+    stats["tokens"] = x["mask"].sum().float()
+    stats["norm"] = t.count.float().cpu()
+    return t.loss_sum, t.count.to(dev), stats
+
+
+def mismatch(seqs: list[TrainSequence], old: list[np.ndarray]) -> dict[str, float]:
+    """Trainer/engine log-prob mismatch on the recomputed old log-probs (same weights as the engine had)."""
+    diffs = [old[i] - np.asarray(s.rollout_logprobs, np.float32) for i, s in enumerate(seqs)
+             if s.rollout_logprobs is not None]
+    if not diffs:
+        return {}
+    d = np.concatenate(diffs).astype(np.float64)
+    return {"mismatch_abs_mean": float(np.abs(d).mean()), "mismatch_abs_max": float(np.abs(d).max()),
+            "mismatch_ops_mean": float(np.abs(np.expm1(d)).mean())}
