@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 
 from rollverify.cli import main as cli
+from rollverify.interfaces import SamplingParams
 from rollverify.sim.cost import ClusterSpec, CostModel, ModelSpec
-from rollverify.sim.engine import DriftModel, Workload, _units_within
+from rollverify.sim.engine import DriftModel, SimClock, SimEngine, SimTrainer, Workload, _units_within
 from rollverify.sim.run import SimConfig, compare, simulate
+from rollverify.types import Group
 
 SMALL = SimConfig(
     cluster=ClusterSpec(gpus=4),
@@ -79,6 +81,47 @@ def test_with_a_long_tail_carry_over_gains_and_verification_costs_some_of_it():
     rv = results[16384]["rollverify"]
     assert 0 < rv.acceptance_mean < 1 and rv.cut_fraction > 0 and rv.phase_s["verify"] > 0
     assert "verify" not in results[16384]["partial"].phase_s  # partial runs no verification forward
+
+
+def test_engine_side_verification_prefills_instead_of_a_trainer_forward():
+    tail = replace(SMALL, workload=replace(SMALL.workload, sigma_response=1.2), drift=DriftModel(sigma=0.006, growth=0.0))
+    on_trainer = simulate("rollverify", 16384, tail)
+    on_engine = simulate("rollverify", 16384, replace(tail, algo=replace(tail.algo, verify_on="engine")))
+    assert on_trainer.verify_on == "trainer" and on_engine.verify_on == "engine"
+    assert on_trainer.phase_s["verify"] > 0 and "verify_prefill" not in on_trainer.phase_s
+    assert "verify" not in on_engine.phase_s and on_engine.phase_s["verify_prefill"] > 0  # no trainer forward
+    assert 0 < on_engine.acceptance_mean < 1 and on_engine.cut_fraction > 0  # the real verification cuts from it
+    assert 0 < on_engine.verify_share < on_trainer.verify_share
+
+
+def test_engine_logprobs_are_the_trainers_and_the_resumed_prefix_reuses_their_prefill():
+    cost, workload, drift = CostModel(ModelSpec(), ClusterSpec(gpus=2)), Workload(token_unit=64), DriftModel(sigma=0.05)
+    clock = SimClock()
+    engine = SimEngine(cost, workload, clock, drift=drift, total_steps=4)
+    trainer = SimTrainer(cost, drift, SimClock(), workload.token_unit, total_steps=4)
+    responses = Group.new(0, np.zeros(256, np.int32), 4, workload.max_units).responses
+    engine.submit(responses, SamplingParams())
+    engine._step(limit=5.0)  # every response is still running
+    for chunk in engine.pause():
+        r = next(r for r in responses if r.response_id == chunk.response_id)
+        r.append(chunk.token_ids, chunk.logprobs, chunk.versions)
+    assert all(r.num_tokens > 2 for r in responses)
+    engine.update_weights(iter([]), 1)
+    trainer.version = 1
+    prefill_before = engine.prefill_s
+    new = engine.compute_logprobs(responses)
+    for got, want in zip(new, trainer.compute_logprobs(responses, 1.0), strict=True):
+        np.testing.assert_array_equal(got, want)
+    total = sum(cost.prefill(256 + r.num_tokens * workload.token_unit) for r in responses)
+    assert engine.verify_prefill_s == pytest.approx(total)
+    assert total / 2 * (1 - 1e-9) <= clock.spent["verify_prefill"] < total  # two servers prefill in parallel
+    engine.truncate({responses[0].response_id: responses[0].num_tokens // 2})
+    engine.resume()  # the kept prefixes are in the servers' KV cache: nothing prefills again
+    assert engine.prefill_s == prefill_before
+    engine.pause()
+    engine.update_weights(iter([]), 2)
+    engine.resume()  # stale KV: everything prefills under the new weights
+    assert engine.prefill_s > prefill_before
 
 
 def test_on_policy_time_is_set_by_the_longest_response_of_each_batch():

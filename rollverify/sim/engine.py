@@ -4,8 +4,10 @@ The project's own `Loop` and strategies drive them unchanged; only time is model
 `SimClock` by the durations of `CostModel`. The engine is a discrete-event simulation of ``servers``
 independent SGLang servers: every running sequence gains one token per decode iteration of its server, whose
 duration depends on the server's batch and contexts; ``wait_finished`` jumps to the next moment a response
-finishes. The trainer's log-probs of carried tokens come from `DriftModel`, so acceptance and cuts are those
-of the real `two_stage_verify`.
+finishes. The new log-probs of carried tokens come from `DriftModel`, so acceptance and cuts are those of
+the real `two_stage_verify`: from the trainer's verification forward (`algo.verify_on: trainer`), or from
+the engine's prefill of the carried responses under the new weights (`engine`), whose KV the resumed
+prefixes then reuse.
 
 Tokens are simulated in units of ``Workload.token_unit`` real tokens (one Response row per unit) to keep the
 arrays small; every duration is computed on real tokens.
@@ -113,18 +115,24 @@ class _Tracked:
     reported: int  # units already returned in chunks
     slot: int = -1  # running slot, -1 when paused or finished
     done: bool = False
+    cache_server: int = -1  # server holding its prefilled KV under the current weights, -1 when none
+    cached: int = 0  # real tokens of that KV (prompt + generated)
 
 
 class SimEngine:
-    """`RolloutEngine` over simulated servers (least-loaded placement; each sequence prefills on admission).
+    """`RolloutEngine` over simulated servers (least-loaded placement; each sequence prefills on admission,
+    except the part of it whose KV `compute_logprobs` left cached on its server).
 
     A poll (``wait_finished``) blocks until a response finishes and returns every response that finishes
-    within ``poll_s`` simulated seconds of it: the granularity at which the loop sees finishes and refills."""
+    within ``poll_s`` simulated seconds of it: the granularity at which the loop sees finishes and refills.
+    ``drift`` and ``total_steps`` give `compute_logprobs` the same new log-probs as `SimTrainer`'s."""
 
     LOGPROB = -1.0  # every sampled unit's engine log-prob; only gaps to it matter
 
-    def __init__(self, cost: CostModel, workload: Workload, clock: SimClock, seed: int = 0, poll_s: float = 1.0) -> None:
+    def __init__(self, cost: CostModel, workload: Workload, clock: SimClock, seed: int = 0, poll_s: float = 1.0,
+                 drift: DriftModel | None = None, total_steps: int = 1) -> None:
         self.cost, self.workload, self.clock, self.seed = cost, workload, clock, seed
+        self.drift, self.total_steps = drift, total_steps
         self.poll_s = poll_s  # one wait_finished returns every finish within poll_s of the first
         self.servers = cost.cluster.servers
         self.unit = workload.token_unit
@@ -132,7 +140,8 @@ class SimEngine:
         self.paused = False
         self.tracked: dict[str, _Tracked] = {}
         self.credit = np.zeros(self.servers)  # seconds a server has already spent towards its next iteration
-        self.prefill_s = 0.0  # server-seconds of prefill
+        self.prefill_s = 0.0  # server-seconds of prefill on admission
+        self.verify_prefill_s = 0.0  # server-seconds of compute_logprobs' prefill
         self.decode_iterations = 0.0  # server-iterations (real tokens of the longest running sequence)
         self._cap = 0
         self._grow(1024)
@@ -154,11 +163,12 @@ class SimEngine:
             self._grow(2 * self._cap)
         slot = self.free.pop()
         load = np.bincount(self.srv[self.active], minlength=self.servers)
-        server = int(np.argmin(load))
+        server = int(np.argmin(load)) if t.cache_server < 0 else t.cache_server
         context = t.prompt + t.length * self.unit
         self.srv[slot], self.rem[slot], self.ctx[slot], self.active[slot] = server, t.target - t.length, context, True
         self.slot_rid[slot], t.slot = rid, slot
-        prefill = self.cost.prefill(context)
+        prefill = self.cost.prefill(context) - self.cost.prefill(min(t.cached, context))  # the radix cache's prefix
+        t.cache_server, t.cached = -1, 0
         self.credit[server] -= prefill
         self.prefill_s += prefill
 
@@ -243,6 +253,8 @@ class SimEngine:
                 self._release(t)
                 out.append(self._chunk(rid, t, None))
         self.credit[:] = 0.0  # colocated: the KV cache is released for training
+        for t in self.tracked.values():
+            t.cache_server, t.cached = -1, 0
         return out
 
     def truncate(self, keep: dict[str, int]) -> None:
@@ -270,6 +282,28 @@ class SimEngine:
             pass
         self.clock.advance(self.cost.weight_sync(), "sync")
         self.version = version
+        for t in self.tracked.values():
+            t.cache_server, t.cached = -1, 0  # KV computed under the old weights is stale
+
+    def compute_logprobs(self, responses: Sequence[Response]) -> list[np.ndarray | None]:
+        """Prefill prompt + generated tokens of each response under the current weights and return their
+        log-probs (`DriftModel`'s, as the trainer's). The servers prefill in parallel, each response on the one
+        with the least prefill so far; the clock advances by the busiest server's share, in phase
+        ``verify_prefill``. The KV stays cached on that server: resuming a kept prefix prefills nothing again."""
+        if self.drift is None:
+            raise RuntimeError("this SimEngine has no DriftModel: construct it with drift= to compute log-probs")
+        busy = np.zeros(self.servers)
+        for r in responses:
+            t = self.tracked[r.response_id]
+            if t.slot >= 0:
+                raise RuntimeError(f"compute_logprobs of {r.response_id} while it runs: pause the engine first")
+            server = int(np.argmin(busy))
+            t.cache_server, t.cached = server, t.prompt + r.num_tokens * self.unit
+            busy[server] += self.cost.prefill(t.cached)
+        self.verify_prefill_s += float(busy.sum())
+        self.clock.advance(float(busy.max(initial=0.0)), "verify_prefill")
+        progress = self.version / self.total_steps
+        return [self.drift.new_logprobs(self.seed, r, self.version, progress, self.unit) for r in responses]
 
     def lost(self) -> list[str]:
         return []  # a simulated server never fails

@@ -16,7 +16,7 @@ import numpy as np
 from rollverify.loop import Loop, LoopConfig
 from rollverify.sim.cost import GPUS, ClusterSpec, CostModel, ModelSpec
 from rollverify.sim.engine import DriftModel, SimClock, SimEngine, SimTrainer, Workload
-from rollverify.strategies import AlgoConfig
+from rollverify.strategies import VERIFY_ON, AlgoConfig
 from rollverify.types import Group
 
 MODES = ("on_policy", "partial", "rollverify")
@@ -24,6 +24,11 @@ CONTEXTS = (8192, 16384, 32768, 65536)
 # The paper's Table 7 (Qwen3-8B-Base, 32 H800, batch 128 x 8, 500 iterations): GPU-days on_policy, rollverify.
 PAPER_TABLE7 = {8192: (16.6, 15.1), 32768: (98.1, 57.5), 65536: (261.0, 137.0)}
 SECONDS_PER_DAY = 86400.0
+VERIFY_WHERE = {
+    "trainer": "verification on the trainer: a 2N-per-token forward over the carried responses",
+    "engine": "verification on the engines: they prefill the carried responses under the new weights (no trainer "
+              "forward) and the resumed prefixes reuse that KV",
+}
 
 
 @dataclass
@@ -46,6 +51,7 @@ class SimConfig:
 @dataclass
 class RunResult:
     mode: str
+    verify_on: str  # where the new log-probs come from: "trainer" (a forward) or "engine" (a prefill)
     context: int
     steps: int
     gpu_days: float
@@ -57,6 +63,7 @@ class RunResult:
     acceptance_by_step: list[float]
     switched_at: int | None
     prefill_share: float  # of the rollout server-time
+    verify_share: float  # of the step: the trainer's verification forward, or the engines' verification prefill
     on_policy_longest_share: float  # on_policy: rollout time / time to decode the longest response alone
 
     def row(self) -> dict:
@@ -68,7 +75,7 @@ def simulate(mode: str, context: int, cfg: SimConfig) -> RunResult:
     workload = replace(cfg.workload, context=context)
     cost = CostModel(cfg.model, cfg.cluster)
     clock = SimClock()
-    engine = SimEngine(cost, workload, clock, cfg.seed)
+    engine = SimEngine(cost, workload, clock, cfg.seed, drift=cfg.drift, total_steps=cfg.steps)
     trainer = SimTrainer(cost, cfg.drift, clock, workload.token_unit, cfg.steps, cfg.seed)
     batch = cfg.batch_groups * cfg.n
     loop_cfg = LoopConfig(
@@ -103,7 +110,7 @@ def simulate(mode: str, context: int, cfg: SimConfig) -> RunResult:
     ledger = loop.ledger
     rollout_server_s = clock.spent.get("rollout", 0.0) * cost.cluster.servers
     return RunResult(
-        mode=mode, context=context, steps=cfg.steps,
+        mode=mode, verify_on=cfg.algo.verify_on, context=context, steps=cfg.steps,
         gpu_days=step_s * cfg.paper_steps * cfg.cluster.gpus / SECONDS_PER_DAY,
         step_s_mean=step_s,
         phase_s={k: float(np.mean([p.get(k, 0.0) for p in phases])) for k in names},
@@ -113,6 +120,7 @@ def simulate(mode: str, context: int, cfg: SimConfig) -> RunResult:
         acceptance_by_step=[round(a, 4) for a in accept],
         switched_at=switched_at,
         prefill_share=engine.prefill_s / rollout_server_s if rollout_server_s else 0.0,
+        verify_share=(clock.spent.get("verify", 0.0) + clock.spent.get("verify_prefill", 0.0)) / clock.now,
         on_policy_longest_share=float(np.mean(longest)) if longest else math.nan,
     )
 
@@ -133,7 +141,7 @@ def run_all(cfg: SimConfig, contexts=CONTEXTS, modes=MODES, log=print) -> dict:
             r = simulate(mode, context, cfg)
             results[context][mode] = r
             log(f"  {context // 1024:>3}K {mode:<10} {r.gpu_days:8.1f} GPU-days  step {r.step_s_mean:7.1f} s  "
-                f"acceptance {r.acceptance_mean:.3f}  switched at {r.switched_at}  "
+                f"verify {r.verify_share:5.1%} of it  acceptance {r.acceptance_mean:.3f}  switched at {r.switched_at}  "
                 f"({time.perf_counter() - start:.1f} s to simulate)")
     return {"config": _config_dict(cfg), "results": results, "comparison": compare(results)}
 
@@ -228,6 +236,8 @@ def cli_main(argv: list[str] | None = None) -> int:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--steps", type=int, default=SimConfig.steps, help="simulated steps per run")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--verify-on", default="trainer", choices=VERIFY_ON,
+                   help="where rollverify's new log-probs come from: a trainer forward, or the engines' prefill")
     p.add_argument("--force", action="store_true", help="replace an earlier simulate.json / simulate.png in --out")
     a = p.parse_args(argv)
     out = Path(a.out)
@@ -239,12 +249,14 @@ def cli_main(argv: list[str] | None = None) -> int:
             raise ValueError(f"{written[0]} exists; pass --force to replace it or choose another --out")
         for c in a.contexts:
             Workload(context=c)
-        cfg = SimConfig(cluster=ClusterSpec(gpu=a.gpu, gpus=a.gpus, tp=a.tp), steps=a.steps, seed=a.seed)
+        cfg = SimConfig(cluster=ClusterSpec(gpu=a.gpu, gpus=a.gpus, tp=a.tp), steps=a.steps, seed=a.seed,
+                        algo=AlgoConfig(verify_on=a.verify_on))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
-    print(f"simulating {a.steps} steps per run: {len(a.contexts)} context limits x {len(a.modes)} modes")
+    print(f"simulating {a.steps} steps per run: {len(a.contexts)} context limits x {len(a.modes)} modes; "
+          + VERIFY_WHERE[a.verify_on])
     report = run_all(cfg, a.contexts, a.modes)
     report["results"] = {str(c): {m: r.row() for m, r in by.items()} for c, by in report["results"].items()}
     print(table(report["comparison"]))
