@@ -265,6 +265,7 @@ class EngineHandle:
         self.loop = engine.loop
         self.tp_size = int(getattr(engine.server_args, "tp_size", 1) or 1)
         self.context_len = int(getattr(self.tm, "context_len", 0) or info.context_len or 0)
+        self.transport = EngineTransport(self.tm)  # the weight transports and memory handoff (ops/transport.py)
         self._closed = False
         self._idle_nice = 0  # niceness of SGLang's children while nothing generates; 0: never changed
         self._base_nice: dict[int, int] = {}
@@ -502,7 +503,36 @@ class EngineHandle:
             raise RuntimeError(f"update_weights_from_disk: {msg}")
         await self.flush()
 
-    # --- GPU weight transports and the colocated memory handoff (sglang_ext/ops/transport.py drives these)
+    async def flush(self) -> None:
+        res = await self.tm.flush_cache()
+        if not getattr(res, "success", True):
+            raise RuntimeError(f"flush_cache: {getattr(res, 'message', res)}")
+
+    async def loads(self) -> list[dict[str, Any]]:
+        import msgspec
+
+        snaps = await self.tm.get_loads(include=["core", "queues"])
+        return [msgspec.to_builtins(s) for s in snaps]
+
+    def shutdown(self) -> None:
+        """Stop SGLang and make sure none of its processes outlives this call."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.engine.shutdown()
+        except Exception as e:  # pragma: no cover - best effort, reaped below
+            log.warning("engine shutdown: %s", e)
+        reap_children()
+
+
+class EngineTransport:
+    """SGLang's side of the GPU weight transports and the colocated memory handoff: the tokenizer manager's
+    weight-update group, weight-update session, bucket loads and memory occupation calls. Driven by
+    sglang_ext/ops/transport.py, which checks every step first; each raises RuntimeError when SGLang refuses."""
+
+    def __init__(self, tm: Any):
+        self.tm = tm
 
     async def join_weight_group(
         self, master_addr: str, master_port: int, rank_offset: int, world_size: int, group: str, backend: str
@@ -572,25 +602,3 @@ class EngineHandle:
         from sglang.srt.managers.io_struct import ResumeMemoryOccupationReqInput
 
         await self.tm.resume_memory_occupation(ResumeMemoryOccupationReqInput(tags=tags), None)
-
-    async def flush(self) -> None:
-        res = await self.tm.flush_cache()
-        if not getattr(res, "success", True):
-            raise RuntimeError(f"flush_cache: {getattr(res, 'message', res)}")
-
-    async def loads(self) -> list[dict[str, Any]]:
-        import msgspec
-
-        snaps = await self.tm.get_loads(include=["core", "queues"])
-        return [msgspec.to_builtins(s) for s in snaps]
-
-    def shutdown(self) -> None:
-        """Stop SGLang and make sure none of its processes outlives this call."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self.engine.shutdown()
-        except Exception as e:  # pragma: no cover - best effort, reaped below
-            log.warning("engine shutdown: %s", e)
-        reap_children()

@@ -16,8 +16,8 @@ from megatron_bridge.weight_sync import TransportSink
 
 
 class StreamEngine(FakeEngine):
-    """FakeEngine with the transport coroutines of EngineHandle, recording each call; `fail_at` makes the load of
-    that bucket (counted from 0 over the server's life) raise."""
+    """FakeEngine with the coroutines of EngineHandle.transport (and flush), recording each call; `fail_at` makes
+    the load of that bucket (counted from 0 over the server's life) raise."""
 
     def __init__(self, fail_at: int | None = None):
         super().__init__(moe=False)
@@ -25,6 +25,7 @@ class StreamEngine(FakeEngine):
         self.loaded = 0
         self.fail_at = fail_at
         self.tp_size = 1
+        self.transport = self  # EngineHandle.transport: here the recorded coroutines below
 
     async def begin_weight_update(self):
         self.calls.append("begin")

@@ -34,6 +34,7 @@ from sglang_ext.protocol import (
 )
 
 if TYPE_CHECKING:
+    from sglang_ext.engine import EngineTransport
     from sglang_ext.server import ControlServer
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
@@ -57,6 +58,11 @@ class TransportOps:
         self.groups: dict[str, int] = {}  # weight-update groups joined: name -> this server's first rank
         self.stream: Stream | None = None
         self.released: set[str] = set()
+
+    @property
+    def transport(self) -> EngineTransport:
+        """The engine's weight-transport and memory calls (EngineHandle.transport)."""
+        return self.server.engine.transport
 
     def handlers(self) -> dict[str, Handler]:
         return {
@@ -82,7 +88,7 @@ class TransportOps:
             raise ProtocolError(ErrorCode.INVALID, f"weights_group: already in group {body.group!r}; use a new name")
         t0 = time.perf_counter()
         async with self.server.engine_calls.call():
-            await self.server.engine.join_weight_group(
+            await self.transport.join_weight_group(
                 body.master_addr, body.master_port, body.rank_offset, body.world_size, body.group, body.backend
             )
         self.groups[body.group] = body.rank_offset
@@ -102,7 +108,7 @@ class TransportOps:
             self._check_meta(body.names, body.dtypes, body.shapes)
             return await self._bucket(
                 "distributed", body.version, body.bucket,
-                lambda: self.server.engine.receive_bucket(body.names, body.dtypes, body.shapes, body.group),
+                lambda: self.transport.receive_bucket(body.names, body.dtypes, body.shapes, body.group),
                 len(body.names),
             )
         return await self._finish("distributed", body.step, body.version, body.buckets, body.reason)
@@ -120,7 +126,7 @@ class TransportOps:
                 )
             self._check_meta(body.names, body.dtypes, body.shapes)
             return await self._bucket(
-                "ipc", body.version, body.bucket, lambda: self.server.engine.load_flattened(body.payloads),
+                "ipc", body.version, body.bucket, lambda: self.transport.load_flattened(body.payloads),
                 len(body.names),
             )
         return await self._finish("ipc", body.step, body.version, body.buckets, body.reason)
@@ -144,10 +150,10 @@ class TransportOps:
         t0 = time.perf_counter()
         async with self.server.engine_calls.call():
             if body.action == "release":
-                await self.server.engine.release_memory(tags)
+                await self.transport.release_memory(tags)
                 self.released.update(tags)
             else:
-                await self.server.engine.resume_memory(tags)
+                await self.transport.resume_memory(tags)
                 self.released.difference_update(tags)
         return {"action": body.action, "tags": tags, "released": sorted(self.released),
                 "engine_s": time.perf_counter() - t0}, None, None
@@ -194,7 +200,7 @@ class TransportOps:
         async with self.server.engine_calls.call():
             try:
                 if index == 0:
-                    await self.server.engine.begin_weight_update()
+                    await self.transport.begin_weight_update()
                     self.stream = stream
                 await load()
             except Exception as e:
@@ -225,7 +231,7 @@ class TransportOps:
         t0 = time.perf_counter()
         async with self.server.engine_calls.call():
             try:
-                await self.server.engine.end_weight_update()
+                await self.transport.end_weight_update()
                 self.stream = None
                 await self.server.engine.flush()
             except Exception as e:
@@ -251,7 +257,7 @@ class TransportOps:
             return
         self.records.blocked = f"weights of version {stream.version} were partly loaded ({why})"
         try:
-            await self.server.engine.end_weight_update()
+            await self.transport.end_weight_update()
         except Exception as e:  # the session may already be gone with the failure that ended the stream
             self.records.blocked = self.records.blocked or f"weight update session left open ({e})"
 
