@@ -4,7 +4,10 @@ A `ServerActor` runs the same server process as the local launcher (sglang_ext.l
 its node's address, with the plan's GPUs (`base_gpu_id` = the plan's first GPU of the server; Ray leaves every
 GPU of the node visible, see rollverify.cluster). An endpoint off loopback never runs without CURVE: the driver
 makes the run's keys (`RunKeys`), each actor writes the server's certificate and the client's public key into a
-private folder on its node, and the rollout engine's client connects with the matching client keys.
+private folder on its node ($TMPDIR/rollverify-keys-serverN-*, mode 0700, the secret 0600), and the rollout
+engine's client connects with the matching client keys. The server reads them once, when it binds (before it
+reports ready), so the folder is removed as soon as its start returns, whether it started or not: the keys stay
+on disk only while a server starts, and a run killed later leaves none behind.
 
 The driver holds a `RayServer` per server: the handle the rollout engine's watchdog reads (`alive()`, which is
 false once the server process exits or its actor dies) and stops. `relaunch(i)` starts a fresh actor on the
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 import threading
 from dataclasses import dataclass
@@ -87,7 +91,7 @@ class ServerActor:
         self.index = index
         self.server = None
         self._stopping = threading.Event()
-        self._folder = Path(tempfile.mkdtemp(prefix=f"rollverify-server{index}-"))
+        self._folder: Path | None = None  # the server's log where the run folder is not on this node
 
     def start(self, model: str, engine_args: dict[str, Any], keys: ServerKeys, log_path: str | None,
               startup_timeout_s: float) -> dict[str, Any]:
@@ -98,16 +102,24 @@ class ServerActor:
 
         cpu_compat.activate()
         ip = ray.util.get_node_ip_address()
-        secret, authorized = keys.write(self._folder / "curve")
-        log = Path(log_path) if log_path and Path(log_path).parent.is_dir() else self._folder / "server.log"
-        self.server = launch_server(
-            model,
-            control=f"tcp://{ip}:0",
-            args=["--curve-secret-key", str(secret), "--curve-authorized-keys", str(authorized)],
-            engine_args=engine_args,
-            log_path=log,
-            startup_timeout_s=startup_timeout_s,
-        )
+        if log_path and Path(log_path).parent.is_dir():
+            log = Path(log_path)
+        else:
+            self._folder = Path(tempfile.mkdtemp(prefix=f"rollverify-server{self.index}-"))
+            log = self._folder / "server.log"
+        keys_dir = Path(tempfile.mkdtemp(prefix=f"rollverify-keys-server{self.index}-"))
+        try:
+            secret, authorized = keys.write(keys_dir)
+            self.server = launch_server(
+                model,
+                control=f"tcp://{ip}:0",
+                args=["--curve-secret-key", str(secret), "--curve-authorized-keys", str(authorized)],
+                engine_args=engine_args,
+                log_path=log,
+                startup_timeout_s=startup_timeout_s,
+            )
+        finally:  # the server has loaded them (or will never start): nothing reads them again
+            shutil.rmtree(keys_dir, ignore_errors=True)
         return {"endpoint": self.server.endpoint, "pid": self.server.pid, "log": str(log),
                 "node_id": ray.get_runtime_context().get_node_id()}
 
@@ -125,9 +137,8 @@ class ServerActor:
         self._stopping.set()
         if self.server is not None:
             self.server.stop(timeout_s)
-        import shutil
-
-        shutil.rmtree(self._folder, ignore_errors=True)
+        if self._folder is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)
 
 
 class RayServer:

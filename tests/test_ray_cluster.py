@@ -68,6 +68,14 @@ def _label(node_id: str) -> str:
     return next(k for k in node["Resources"] if k.startswith("rv_node_"))
 
 
+def _key_folders() -> set[str]:
+    """The servers' CURVE key folders on this machine (sglang_ext.ray_server.ServerActor.start)."""
+    import glob
+    import tempfile
+
+    return set(glob.glob(f"{tempfile.gettempdir()}/rollverify-keys-server*"))
+
+
 def _distributed_run(cfg, out):
     """`rollverify train`'s Run, its weights through the distributed transport (trainer rank 0 broadcasts each
     bucket over a gloo group to both servers; the disaggregated layout's transport, which a CPU config cannot
@@ -87,6 +95,7 @@ def test_rollverify_steps_over_two_nodes_survive_a_killed_server(ray_cluster, tm
     import ray
 
     cfg = load_config(None, [*SMALL, "trainer.steps=3", "algo.mode=rollverify", f"cluster.address={ray_cluster.address}"])
+    keys_before = _key_folders()
     run = _distributed_run(cfg, tmp_path)
     killed = threading.Event()
     stop = threading.Event()
@@ -126,6 +135,7 @@ def test_rollverify_steps_over_two_nodes_survive_a_killed_server(ray_cluster, tm
         assert [r.metrics["policy_version"] for r in rows] == [1, 2, 3]
         versions = [h["version"] for h in run.engine.health()]
         assert versions == [3, 3], versions  # the weights reached both servers, the restarted one included
+        assert _key_folders() == keys_before  # the started servers' CURVE keys, the restarted one's too, are gone
     finally:
         stop.set()
         run.close()
