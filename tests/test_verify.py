@@ -303,10 +303,11 @@ def test_bench_tool_runs_small(tmp_path, monkeypatch, capsys):
 
     out = tmp_path / "bench.json"
     argv = ["bench_verify.py", "--responses", "16", "--mean-len", "300", "--max-len", "1000", "--repeats", "2",
-            "--ref-tokens", "2000", "--out", str(out)]
+            "--ref-tokens", "2000", "--profile", "--out", str(out)]
     monkeypatch.setattr("sys.argv", argv)
     runpy.run_path(str(Path(__file__).parents[1] / "tools" / "bench_verify.py"), run_name="__main__")
     report = json.loads(out.read_text())
     assert report["reference_agrees_on_subsample"] and report["responses"] == 16
-    assert {"verify_s_min", "floor_s_min", "x_floor", "x_faster_than_reference"} <= report.keys()
+    assert {"verify_s_min", "floor_s_min", "x_floor", "x_faster_than_reference", "x_floor_cpu"} <= report.keys()
+    assert any("exp2" in row["op"] for row in report["profile"])  # the exponential of D is one of the operations
     assert "memory floor" in capsys.readouterr().out
