@@ -118,7 +118,9 @@ def hf_config(spec: TinyModelSpec):
     return Qwen3Config(intermediate_size=spec.intermediate_size, **common)
 
 
-def _init_model(spec: TinyModelSpec):
+def untrained_model(spec: TinyModelSpec):
+    """The HF model of `spec` (float32) with its seeded init, before any warm start: what `make_tiny_model`
+    saves when `spec.task` is None, and what the warm start trains otherwise."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -168,7 +170,7 @@ def make_tiny_model(out: str | os.PathLike, spec: TinyModelSpec, force: bool = F
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=out.parent))
     try:
-        model = _init_model(spec)
+        model = untrained_model(spec)
         if spec.task is not None:
             from rollverify.warm_start import warm_start  # supervised warm start on a synthetic task
 

@@ -234,7 +234,7 @@ def warm_start(model, tokenizer, spec) -> Any:
 
 def cli_main(argv: list[str] | None = None) -> int:
     """Measure base vs warm-started sampled reward on the eval split (for tuning recipes and reports)."""
-    from rollverify.tiny_model import TinyModelSpec, _init_model, build_tokenizer
+    from rollverify.tiny_model import TinyModelSpec, build_tokenizer, untrained_model
 
     p = argparse.ArgumentParser(prog="python -m rollverify.warm_start", description=cli_main.__doc__)
     p.add_argument("--task", default="countdown")
@@ -258,7 +258,7 @@ def cli_main(argv: list[str] | None = None) -> int:
     over = {k: v for k, v in dict(steps=a.steps, lr=a.lr, batch_size=a.batch_size).items() if v is not None}
     recipe = replace(recipe, **over)
     task, tok = get_task(a.task), build_tokenizer(spec.vocab_size)
-    model = _init_model(spec)
+    model = untrained_model(spec)
     evals = task.examples("eval", a.eval_n, seed=0)
     t = time.perf_counter()
     base = evaluate_reward(model, tok, task, evals, seed=1)
