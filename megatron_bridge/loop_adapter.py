@@ -54,6 +54,15 @@ class LoopTrainer:
         """The ranks stream the weights to the servers of `spec` (sglang_ext.weight_transport) themselves."""
         return self.trainer.send_weights(spec, version, bucket_bytes or self.bucket_bytes)
 
+    def offload(self, kinds: Sequence[str] = ("params", "grads", "optimizer")) -> dict[str, float]:
+        """Every rank releases the device memory of `kinds` until `reload` (the colocated handoff's
+        `trainer_memory`, sglang_ext.weight_transport.TransportWeights)."""
+        return self.trainer.offload(tuple(kinds))
+
+    def reload(self) -> dict[str, float]:
+        """Every rank brings back what `offload` released."""
+        return self.trainer.reload()
+
     def save(self, path: str) -> None:
         self.trainer.save_checkpoint(path)
 

@@ -213,6 +213,14 @@ class SpawnedTrainer:
         """The ranks stream the weights to the servers themselves (`MegatronTrainer.send_weights`)."""
         return self._call("send_weights", spec, version, bucket_bytes, dtype)
 
+    def offload(self, kinds: tuple[str, ...] = ("params", "grads", "optimizer")) -> dict[str, float]:
+        """Every rank releases the device memory of `kinds` (`MegatronTrainer.offload`); rank 0's bytes."""
+        return self._call("offload", tuple(kinds))
+
+    def reload(self, kinds: tuple[str, ...] | None = None) -> dict[str, float]:
+        """Every rank brings back what `offload` released (`MegatronTrainer.reload`)."""
+        return self._call("reload", kinds)
+
     def iter_hf_tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Materialises the export in the driver, then yields it (the ranks stream it bucket by bucket)."""
         return iter(self.export_hf_state(dtype=dtype).items())

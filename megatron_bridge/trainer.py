@@ -13,9 +13,10 @@ the design's token-mean (never the sum of TIS weights).
 
 from __future__ import annotations
 
+import functools
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from megatron_bridge.model import (
     recompute_options,
     transformer_config,
 )
+from megatron_bridge.offload import KINDS, TrainerMemory
 from megatron_bridge.parallel import ParallelConfig, init_parallel, use_cpu
 from megatron_bridge.weights_out import WeightsOut
 from rollverify.config import TrainerConfig
@@ -51,6 +53,20 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     if dtype == "auto":
         return torch.float32 if device == "cpu" else torch.bfloat16
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+
+
+def _needs(*kinds: str) -> Callable:
+    """The method runs with `kinds` of the trainer's memory on the device (`TrainerMemory.resident`)."""
+
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def call(self, *args, **kwargs):
+            with self.memory.resident(kinds):
+                return fn(self, *args, **kwargs)
+
+        return call
+
+    return wrap
 
 
 class MegatronTrainer:
@@ -101,6 +117,7 @@ class MegatronTrainer:
         self.optimizer, self.scheduler = self._make_optimizer()
         self.micro = MicroBatchRunner(cfg, self.arch, self.layout, self.model, self.device)
         self.weights = WeightsOut(self.model, self.arch, self.layout, self.model_path)
+        self.memory = TrainerMemory(self.model, self.optimizer)
         self.step_count = 0
         self.version = 0
 
@@ -177,6 +194,7 @@ class MegatronTrainer:
                 lps[i], ents[i] = a.numpy(), b.numpy()
         return lps, ents
 
+    @_needs("params")
     def compute_logprobs(self, batch: Sequence[TrainSequence], *, replay: bool | None = None,
                          temperature: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
         """Log-probs (temperature-scaled, as the engine reports them) and entropies of every generated token,
@@ -190,6 +208,7 @@ class MegatronTrainer:
 
     # ------------------------------------------------------------------------------------------ train
 
+    @_needs(*KINDS)
     def train_step(self, batch: Sequence[TrainSequence], *, temperature: float = 1.0) -> dict[str, float]:
         """One optimizer step of the GRPO loss on `batch` (sequences with advantages and rollout log-probs).
 
@@ -244,6 +263,7 @@ class MegatronTrainer:
                 return self.micro.reduce_metrics(self.micro.run(mbs, loss_of_mb, forward_only=True))
         return self.micro.reduce_metrics(self.micro.run(mbs, loss_of_mb, forward_only=False))
 
+    @_needs("params")
     def loss_on(self, batch: Sequence[TrainSequence], old_logprobs: np.ndarray, *,
                 temperature: float = 1.0) -> dict[str, float]:
         """The train-step loss and its statistics on `batch` at the current weights, without a step; the
@@ -255,17 +275,31 @@ class MegatronTrainer:
         self.model.eval()
         return self._loss_pass(seqs, old, use_replay, temperature, forward_only=True)
 
+    # ------------------------------------------------------------------------------------------ memory handoff
+
+    def offload(self, kinds: Sequence[str] = KINDS) -> dict[str, float]:
+        """Release the device memory of `kinds` (params, grads, optimizer) until `reload`; a call that needs
+        them in between brings them back for its duration (`megatron_bridge.offload`)."""
+        return self.memory.offload(kinds)
+
+    def reload(self, kinds: Sequence[str] | None = None) -> dict[str, float]:
+        """Bring back what `offload` released (default: all of it), bit for bit."""
+        return self.memory.reload(kinds)
+
     # ------------------------------------------------------------------------------------------ export / sync
 
     def iter_hf_tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) one at a time, on every rank (collective: all ranks iterate together)."""
-        return self.weights.iter_hf_tensors(dtype)
+        with self.memory.resident(("params",)):
+            yield from self.weights.iter_hf_tensors(dtype)
 
+    @_needs("params")
     def export_hf_state(self, out_dir: str | os.PathLike | None = None, dtype: torch.dtype | None = None):
         """Write an HF checkpoint folder (config, tokenizer files copied, safetensors) on rank 0; returns its
         path. Without `out_dir`, returns the state as a dict of CPU tensors (small models, tests)."""
         return self.weights.export(out_dir, self.version, dtype)
 
+    @_needs("params")
     def sync_weights(self, sink, version: int | None = None, bucket_bytes: int = 64 << 20,
                      dtype: torch.dtype | None = None) -> dict[str, float]:
         """Push the weights in HF naming to `sink` (rank 0 only; other ranks join the collectives) in buckets
@@ -273,6 +307,7 @@ class MegatronTrainer:
         self.version = self.step_count if version is None else int(version)
         return self.weights.sync(sink, self.version, bucket_bytes, dtype)
 
+    @_needs("params")
     def send_weights(self, spec, version: int | None = None, bucket_bytes: int = 64 << 20,
                      dtype: torch.dtype | None = None) -> dict[str, float]:
         """Stream the weights to the servers through a transport whose data path starts on the ranks
@@ -283,6 +318,7 @@ class MegatronTrainer:
 
     # ------------------------------------------------------------------------------------------ checkpoints
 
+    @_needs("params", "optimizer")
     def save_checkpoint(self, ckpt_dir: str | os.PathLike) -> Path:
         """Model, optimizer (fp32 main params and moments) and scheduler in Megatron-Core's distributed
         checkpoint format (`megatron_bridge.checkpoint`): any parallel layout can load it."""
@@ -290,6 +326,7 @@ class MegatronTrainer:
                                parallel=asdict(self.pcfg), model_path=str(self.model_path), step=self.step_count,
                                version=self.version)
 
+    @_needs("params", "optimizer")
     def load_checkpoint(self, ckpt_dir: str | os.PathLike) -> None:
         """Load a checkpoint written under any parallel layout; one of another model fails before any tensor
         is read, naming what differs."""

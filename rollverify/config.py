@@ -152,6 +152,16 @@ class TrainerConfig:
     dist_timeout_s: float = _f(1800.0, gt=0.0)  # trainer collectives (gloo / NCCL) that wait longer fail
     call_timeout_s: float = _f(3600.0, gt=0.0)  # a trainer rank silent for longer during a call fails it
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda where a GPU is visible, else cpu
+    # the colocated memory handoff: from each weight push to the next training phase the trainer's parameters,
+    # gradients and optimizer state leave the device (megatron_bridge.offload) while the servers hold theirs.
+    # null: on where the servers release their memory too (cluster.launcher ray, placement colocated), else off
+    offload_between_phases: bool | None = None
+
+    def offloads(self, launcher: str, placement: str) -> bool:
+        """Whether the trainer offloads between phases in this cluster layout (`offload_between_phases`)."""
+        if self.offload_between_phases is None:
+            return launcher == "ray" and placement == "colocated"
+        return self.offload_between_phases
 
     @property
     def loss_kind(self) -> str:
@@ -392,6 +402,12 @@ class RunConfig:
             raise ConfigError(
                 f"cluster.nodes: the local launcher runs on this machine only, got {c.nodes} nodes; "
                 "set cluster.launcher=ray"
+            )
+        if self.trainer.offload_between_phases and (c.launcher, c.placement) != ("ray", "colocated"):
+            raise ConfigError(
+                f"trainer.offload_between_phases: only a colocated Ray run hands GPU memory between trainer and "
+                f"servers (here launcher {c.launcher}, placement {c.placement}: the servers keep their memory, so "
+                f"nothing would use what the trainer frees); set it to null or false"
             )
         if c.placement == "colocated" and c.rollout_gpus:
             raise ConfigError(

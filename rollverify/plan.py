@@ -476,6 +476,17 @@ def _check_memory(p: Plan) -> None:
     if roll_peak > cap and not p.cfg.rollout.endpoints:
         out.append(f"rollout takes mem_fraction_static {frac} x {c.gpu_memory_gib} GiB plus process overhead = "
                    f"{roll_peak / GiB:.1f} GiB: lower engine_args.mem_fraction_static")
+    if colocated and not p.cfg.trainer.offloads(c.launcher, c.placement) and not p.cfg.rollout.endpoints:
+        # without the trainer's offload its state stays through rollout; the local launcher's servers keep their
+        # memory through training too
+        kept = t.weights + t.gradients + t.optimizer if c.launcher == "ray" else t.total
+        both = kept + roll_peak
+        if both > cap:
+            fix = ("set trainer.offload_between_phases=null" if c.launcher == "ray" else
+                   "use cluster.launcher=ray (its servers and trainer hand memory over)")
+            out.append(f"colocated without the trainer's offload the trainer keeps {kept / GiB:.1f} GiB while the "
+                       f"servers take {roll_peak / GiB:.1f} GiB: {both / GiB:.1f} of {c.gpu_memory_gib} GiB; {fix}, "
+                       f"or lower engine_args.mem_fraction_static")
 
 
 def _count(n: int) -> str:
@@ -533,8 +544,10 @@ def render(p: Plan) -> str:
         lines.append(f"  GPU {c.gpu_memory_gib} GiB; rollout reserves mem_fraction_static {frac} = "
                      f"{frac * c.gpu_memory_gib:.1f} GiB (KV pool {s.kv_pool_tokens} tokens); plus "
                      f"{PROCESS_OVERHEAD / GiB:.1f} GiB per process not counted above")
-        if c.placement == "colocated":
+        if c.placement == "colocated" and p.cfg.trainer.offloads(c.launcher, c.placement):
             lines.append("  colocated: one phase at a time, each side releasing its GPU memory for the other's phase")
+        elif c.placement == "colocated":
+            lines.append("  colocated without the trainer's offload: its state stays on the GPU through rollout")
     else:
         lines.append("  trainer rows: the bf16 GPU formulas, for scale; nothing is checked against RAM")
     lines.append("")

@@ -167,13 +167,16 @@ class Run:
         return LoopTrainer(start_trainer(self.cfg, self.model_path))
 
     def _weight_sync(self):
-        """The transport of the cluster layout (the local launcher: None, the loop's in-memory buckets)."""
+        """The transport of the cluster layout (the local launcher: None, the loop's in-memory buckets); the
+        trainer offloads between phases where `trainer.offload_between_phases` says (a colocated Ray run)."""
         from sglang_ext.weight_transport import weight_sync_for
 
         c = self.cfg.cluster
         tp = int(self.cfg.rollout.engine_args.get("tp_size", 1))
+        memory = self.trainer if self.cfg.trainer.offloads(c.launcher, c.placement) else None
         return weight_sync_for(c.launcher, c.placement, self.engine, self.trainer, server_tp=tp,
-                               trainer_ranks=self.cfg.trainer.world_size, timeout_s=self.cfg.rollout.server_timeout_s)
+                               trainer_ranks=self.cfg.trainer.world_size, timeout_s=self.cfg.rollout.server_timeout_s,
+                               trainer_memory=memory)
 
     def _close_cluster(self) -> None:
         if self.cluster is not None:

@@ -300,8 +300,9 @@ class TransportWeights:
                          buckets (IPC) -> trainer offloads its parameters -> servers resume KV cache, CUDA graphs
 
     so the two never hold their big allocations at once: released weights come back undefined, and the push
-    that follows their resume fills them. `trainer_memory` offloads and reloads the trainer's state
-    (`offload(parts)`, `reload()`); without one the trainer keeps its memory (CPU runs)."""
+    that follows their resume fills them. `trainer_memory` offloads and reloads the trainer's state on every rank
+    (`offload(kinds)`, `reload()`: `megatron_bridge.loop_adapter.LoopTrainer` over `megatron_bridge.offload`);
+    without one (`trainer.offload_between_phases: false`) the trainer keeps its memory."""
 
     def __init__(self, engine: Any, trainer: Any, kind: Literal["distributed", "ipc"], *, colocated: bool,
                  server_tp: int = 1, master_addr: str | None = None, backend: str | None = None,

@@ -318,7 +318,9 @@ def test_checkpoint_folders_that_are_not_this_format_are_named(tmp_path):
 
 def test_checkpoint_written_at_tp2_loads_at_tp1(tmp_path):
     """Megatron-Core's distributed checkpoint reshards: weights, the distributed optimizer's fp32 main params and
-    Adam moments, and the schedule written by 2 TP ranks continue in one process as they would have there."""
+    Adam moments, and the schedule written by 2 TP ranks continue in one process as they would have there. The
+    2 ranks go through an offload/reload cycle of their memory (megatron_bridge.offload) before the second step,
+    which therefore also shows that the cycle changes nothing at world size 2."""
     from megatron_bridge.spawned import SpawnedTrainer
     from megatron_bridge.trainer import TrainerConfig
 
@@ -328,6 +330,10 @@ def test_checkpoint_written_at_tp2_loads_at_tp1(tmp_path):
         tr.train_step(seqs)
         lp, ent = tr.compute_logprobs(seqs)
         tr.save_checkpoint(tmp_path / "ckpt")
+        released = tr.offload()
+        assert tr.compute_logprobs(seqs)[0].tolist() == lp.tolist()  # brought back for the call only
+        assert tr.reload() == {k.replace("offload", "reload"): v for k, v in released.items()}
+        assert min(released.values()) > 0
         m_next = tr.train_step(seqs)
         lp_next, _ = tr.compute_logprobs(seqs)
     one = _trainer(tiny_path(), **cfg)

@@ -130,6 +130,11 @@ def test_moe_counts_experts_over_ep():
         ("qwen3_30b_a3b_base", ["trainer.recompute=full"], r"refuses recompute with MoE routing replay"),
         ("qwen3_8b_base", ["rollout.max_new_tokens=32768"], r"max_new_tokens = 32768 leaves no room for a prompt"),
         ("qwen3_8b_base", ["rollout.engine_args.dp_size=2"], r"engine_args\.dp_size = 2: a server's weight updates"),
+        (
+            "qwen3_8b_base",
+            ["trainer.offload_between_phases=false"],
+            r"colocated without the trainer's offload the trainer keeps 25\.7 GiB .*offload_between_phases=null",
+        ),
     ],
 )
 def test_broken_variants_are_refused_by_the_cli(name, overrides, message, capsys):

@@ -175,32 +175,37 @@ def test_colocated_handoff_order_against_the_servers(servers, trainer):
     """Colocated: before training every server releases weights, KV cache and CUDA graphs and the trainer
     reloads; the push offloads the trainer's gradients and optimizer state, resumes the servers' weights, streams
     the buckets, offloads the parameters, then resumes KV cache and CUDA graphs. The servers' own bookkeeping
-    refuses what would kill SGLang's scheduler (a resume of what was not released, a release twice)."""
+    refuses what would kill SGLang's scheduler (a resume of what was not released, a release twice). The
+    trainer's side is the real one (megatron_bridge.offload): after the push its storages are released, the
+    next training phase gets them back unchanged."""
     from megatron_bridge.loop_adapter import LoopTrainer
     from sglang_ext.rollout_engine import SGLangRolloutEngine
     from sglang_ext.weight_transport import ServerControl, TransportSpec, TransportWeights
 
     log: list[str] = []
 
-    class Memory:  # the trainer's side of the handoff, recorded
-        def offload(self, parts):
-            log.append(f"trainer offload {','.join(parts)}")
-
-        def reload(self):
-            log.append("trainer reload")
-
     class Recorded(TransportWeights):
         def _memory(self, action, tags):
             log.append(f"servers {action} {','.join(tags)}")
             super()._memory(action, tags)
 
-    class Sending(LoopTrainer):
+    class Sending(LoopTrainer):  # the loop's trainer, recorded
         def send_weights(self, spec, version, bucket_bytes=None):
             log.append(f"send {spec.kind} v{version}")
             return super().send_weights(spec, version, bucket_bytes)
 
+        def offload(self, kinds=("params", "grads", "optimizer")):
+            log.append(f"trainer offload {','.join(kinds)}")
+            return super().offload(kinds)
+
+        def reload(self):
+            log.append("trainer reload")
+            return super().reload()
+
+    weights_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    loop_trainer = Sending(trainer, 64 << 10)
     with SGLangRolloutEngine([s.endpoint for s in servers], curve=servers[0].curve, timeout_s=120.0) as engine:
-        weights = Recorded(engine, Sending(trainer, 64 << 10), "ipc", colocated=True, trainer_memory=Memory(),
+        weights = Recorded(engine, loop_trainer, "ipc", colocated=True, trainer_memory=loop_trainer,
                            timeout_s=120.0)
         engine.pause()
         weights.before_training()
@@ -219,7 +224,11 @@ def test_colocated_handoff_order_against_the_servers(servers, trainer):
         "trainer offload grads,optimizer", "servers resume weights", "send ipc v21",
         "trainer offload params", "servers resume kv_cache,cuda_graph",
     ]
+    assert trainer.memory.offloaded == ("params", "grads", "optimizer")
+    assert all(p.untyped_storage().nbytes() == 0 for p in trainer.model.parameters())
     for s in servers:
         samples = _sample(s)
         assert all((v == 21).all() for *_, v in samples)
         assert np.abs(np.concatenate([lp for _, _, lp, _ in samples]) - _trainer_logprobs(trainer, samples)).max() < 1e-4
+    loop_trainer.reload()  # the next training phase
+    assert all(torch.equal(p, weights_before[n]) for n, p in trainer.model.named_parameters())

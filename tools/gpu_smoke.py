@@ -15,6 +15,9 @@ transformers requires). Its checks:
 - train_step_bf16: one GRPO step of the 0.6B-shaped model in bf16: finite, positive grad norm; the distributed
   optimizer's main params are fp32 on the device and each bf16 weight is its main param rounded; the gradient
   Adam took is the clipped one (its first moment has norm (1 - beta1) * min(grad norm, grad_clip)).
+- trainer_offload_reload: after the bf16 step, `MegatronTrainer.offload()` (parameters, gradients, optimizer
+  state: megatron_bridge.offload) lowers `torch.cuda.memory_allocated` by >= 90 % of the bytes it reports
+  released, `reload()` returns it to within 1 MiB, and weights (bitwise) and optimizer state come back unchanged.
 - checkpoint_roundtrip: a stepped tiny model saved (Megatron-Core's distributed checkpoint, torch_dist) and
   loaded into a fresh trainer gives identical log-probs.
 - routing_replay_bitwise: the tiny MoE's free routes, recorded on the device and replayed, give bitwise the
@@ -407,6 +410,58 @@ def check_train_step(env: Env, trainer, arch) -> Check:
                  detail={**main, "clip_rel_err": clip_err})
 
 
+def check_offload(env: Env, trainer) -> Check:
+    """The trainer's side of the colocated handoff (megatron_bridge.offload) on the device: after a step,
+    offloading parameters, gradients and optimizer state lowers the allocated memory by at least 90 % of their
+    bytes, reloading brings it back to within 1 MiB, and the weights and optimizer state are the same (bitwise
+    for the weights, per-tensor float64 sums for the optimizer). On CPU the released storage bytes stand in for
+    the allocator's figure."""
+    import torch
+
+    def held() -> int:
+        if env.cuda:
+            env.sync()
+            return torch.cuda.memory_allocated()
+        params = list(trainer.model.parameters())
+        tensors = params + [getattr(p, "main_grad", None) for p in params] + [
+            v for inner in _inner_optimizers(trainer) for g in inner.param_groups for v in g["params"]] + [
+            v for inner in _inner_optimizers(trainer) for st in inner.state.values() for v in st.values()]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors
+                    if torch.is_tensor(t) and t.untyped_storage().nbytes()}
+        return sum(storages.values())
+
+    def optimizer_sums() -> list[float]:
+        return [float(v.double().sum()) for inner in _inner_optimizers(trainer) for st in inner.state.values()
+                for v in st.values() if torch.is_tensor(v)]
+
+    weights = [p.detach().to("cpu", copy=True) for p in trainer.model.parameters()]
+    sums = optimizer_sums()
+    before = held()
+    t0 = time.monotonic()
+    out = trainer.offload()
+    t_off = time.monotonic() - t0
+    low = held()
+    t0 = time.monotonic()
+    trainer.reload()
+    t_re = time.monotonic() - t0
+    back = held()
+    released = sum(out.values())
+    same_w = all(torch.equal(p.detach().cpu(), w) for p, w in zip(trainer.model.parameters(), weights, strict=True))
+    same_o = optimizer_sums() == sums
+    fell, rose = before - low, back - low
+    ok = fell >= 0.9 * released and abs(back - before) <= (1 << 20) and same_w and same_o
+    what = "allocated" if env.cuda else "storage bytes"
+    return Check("", ok, f"{what}: {before / 2**30:.2f} GiB -> offload {low / 2**30:.2f} GiB (fell "
+                 f"{fell / 2**30:.2f} of {released / 2**30:.2f} GiB released, {t_off:.2f} s) -> reload "
+                 f"{back / 2**30:.2f} GiB (rose {rose / 2**30:.2f}, {t_re:.2f} s); weights bitwise {same_w}, "
+                 f"optimizer state {same_o}", fell / released if released else None,
+                 detail={**out, "before": before, "offloaded": low, "reloaded": back})
+
+
+def _inner_optimizers(trainer) -> list:
+    return [o.optimizer for o in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer])]
+
+
 def main_param_figures(trainer) -> dict:
     """After the trainer's first step at one DP rank: the distributed optimizer's main params (dtype, device),
     whether every weight equals its main param rounded to the weight's dtype, and the norm of Adam's first
@@ -458,12 +513,14 @@ def part_a(env: Env, smoke: Smoke) -> None:
     smoke.run("checkpoint_roundtrip", lambda: check_checkpoint(env))
     smoke.run("routing_replay_bitwise", lambda: check_replay(env))
     smoke.run("verify_device_equals_cpu", lambda: check_verify(env))
-    if smoke.wants("train_step_bf16", "computeprob_throughput", "train_step_mfu", "memory_vs_length"):
+    if smoke.wants("train_step_bf16", "trainer_offload_reload", "computeprob_throughput", "train_step_mfu",
+                   "memory_vs_length"):
         path = model_path("0p6b", env)
         arch = ModelArch.from_hf_dir(path)
         trainer = make_trainer(path, env, bf16, logprob_chunk_tokens=1024)
         try:
             smoke.run("train_step_bf16", lambda: check_train_step(env, trainer, arch))
+            smoke.run("trainer_offload_reload", lambda: check_offload(env, trainer))
             if smoke.wants("computeprob_throughput", "train_step_mfu"):
                 check_throughput(env, trainer, arch, smoke)
             smoke.run("memory_vs_length", lambda: check_memory(env, trainer, arch))
