@@ -134,6 +134,9 @@ def cli_main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--start-timeout", type=float, default=300.0, metavar="S",
                    help="seconds the SGLang server may take to start (default 300; more on a loaded machine)")
+    p.add_argument("--eval-modes", nargs="+", default=None, metavar="MODE",
+                   help="the modes evaluated at the last step (default: every mode); the others run with "
+                   "eval.every=0, e.g. partial when only its OPS is compared")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides applied to every run")
     a = p.parse_args(argv)
 
@@ -144,11 +147,19 @@ def cli_main(argv: list[str] | None = None) -> int:
     # one evaluation, at the last step: at the default 512 prompts x 2 samples it costs about as much as a few
     # steps, and the verdict compares the last one (an override of eval.every still applies)
     base = [f"trainer.steps={a.steps}", f"eval.every={a.steps}", *a.overrides]
+    eval_modes = set(a.modes if a.eval_modes is None else a.eval_modes)
+
+    def overrides(mode: str) -> list[str]:
+        return [*base, f"algo.mode={mode}", *([] if mode in eval_modes else ["eval.every=0"])]
+
     try:  # a bad mode, override, path or --out stops here, before a server starts or anything is written
+        if not eval_modes <= set(a.modes):
+            raise ValueError(f"--eval-modes {' '.join(sorted(eval_modes - set(a.modes)))}: not among --modes "
+                             f"{' '.join(a.modes)}")
         cfg0 = load_config(a.config, base)
         cfg0.check_paths()
         for mode in a.modes:
-            load_config(a.config, [*base, f"algo.mode={mode}"])
+            load_config(a.config, overrides(mode))
         out = rundir.claim(a.out, overwrite=a.overwrite, demo=True) if a.out else rundir.next_free(DEFAULT_OUT)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -170,7 +181,7 @@ def cli_main(argv: list[str] | None = None) -> int:
         return 3
     with server:
         for mode in a.modes:
-            cfg = load_config(a.config, [*base, f"algo.mode={mode}", f'rollout.endpoints=["{server.endpoint}"]'])
+            cfg = load_config(a.config, [*overrides(mode), f'rollout.endpoints=["{server.endpoint}"]'])
             say(f"{mode}: {a.steps} steps -> {out / mode}")
             summary = train(cfg, out / mode, progress=True)
             rows = load_metrics(out / mode)

@@ -204,3 +204,5 @@ def test_demo_stops_on_a_bad_mode_or_override_before_starting_anything(tmp_path,
     assert "algo.mode" in capsys.readouterr().err and not (tmp_path / "a").exists()
     assert demo(["--out", str(tmp_path / "b"), "rollout.server_timeout_s=0"]) == 2
     assert "rollout.server_timeout_s" in capsys.readouterr().err and not (tmp_path / "b").exists()
+    assert demo(["--modes", "on_policy", "rollverify", "--eval-modes", "partial", "--out", str(tmp_path / "c")]) == 2
+    assert "--eval-modes partial: not among --modes" in capsys.readouterr().err and not (tmp_path / "c").exists()
