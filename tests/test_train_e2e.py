@@ -96,7 +96,12 @@ def test_engine_side_verification_matches_the_trainer_with_exact_accounting(serv
     """algo.verify_on: engine on the real server and trainer (float32): three steps with the exact ledger, every
     carried response's new log-probs from the engine and none from the trainer; then, on the buffer the last step
     left, engine and trainer log-probs under the same weights agree per token within 1e-4 and verification cuts it
-    at the same places from either."""
+    at the same places from either.
+
+    Each group's two responses get rewards 0 and 1, so every step's advantages are non-zero, and lr 1e-3 moves
+    the policy far enough that carried tokens drift. Equal rewards within every group (the task's reward often
+    gives the tiny model that) mean zero advantages, no gradient and, with weight decay 0, unchanged weights:
+    every carried token's OPS would sit at the engine/trainer floor."""
     import math
 
     import numpy as np
@@ -107,12 +112,14 @@ def test_engine_side_verification_matches_the_trainer_with_exact_accounting(serv
     from rollverify.verify import token_ops
 
     cfg = load_config(None, [*SMALL, "trainer.steps=3", f"rollout.endpoints=[\"{server.endpoint}\"]",
-                             "algo.mode=rollverify", "algo.verify_on=engine", "algo.conditional_switch=false"])
+                             "algo.mode=rollverify", "algo.verify_on=engine", "algo.conditional_switch=false",
+                             "trainer.lr=1e-3"])
     run_ = Run(cfg, tmp_path / "run")
     try:
         forwards = []
         compute = run_.trainer.compute_logprobs
         monkeypatch.setattr(run_.trainer, "compute_logprobs", lambda rs, t: forwards.append(len(rs)) or compute(rs, t))
+        monkeypatch.setattr(run_.loop, "reward", lambda group, response: float(response.index % 2))
         rows = [run_.loop.run_step().metrics for _ in range(3)]  # Ledger.check runs inside
         assert [r["policy_version"] for r in rows] == [1, 2, 3]
         assert sum(r["n_carried"] for r in rows) > 0 and forwards == []
@@ -125,20 +132,22 @@ def test_engine_side_verification_matches_the_trainer_with_exact_accounting(serv
         diff = max(float(np.abs(a - b).max(initial=0.0)) for a, b in zip(on_engine, on_trainer, strict=True))
         assert diff < 1e-4, diff
 
-        # both modes cut the buffer at the same places under the defaults and, where enough carried tokens
-        # drifted above the engine/trainer floor, under a token threshold in the widest gap among them
-        ops = token_ops(torch.from_numpy(np.concatenate([r.logprobs for r in carried])),
-                        torch.from_numpy(np.concatenate(on_trainer))).numpy()
-        drifted = np.sort(ops[ops > 1e-4])
-        strategies = [RollVerify(cfg.algo.d_s, cfg.algo.d_t)]
-        if len(drifted) >= 4:
-            mid = drifted[len(drifted) // 4: 3 * len(drifted) // 4 + 1]
-            i = int(np.argmax(np.diff(mid)))
-            if mid[i + 1] - mid[i] > 1e-5:
-                strategies.append(RollVerify(math.inf, float(mid[i] + mid[i + 1]) / 2))
-        for strategy in strategies:
+        # the carried tokens drifted above the engine/trainer floor: both modes cut the buffer at the same places
+        # under the defaults and under a token threshold in the widest gap among the drifted tokens' OPS, a gap
+        # wider than twice the largest engine/trainer difference of any token's OPS
+        old_lp = torch.from_numpy(np.concatenate([r.logprobs for r in carried]))
+        ops = token_ops(old_lp, torch.from_numpy(np.concatenate(on_trainer))).numpy()
+        ops_engine = token_ops(old_lp, torch.from_numpy(np.concatenate(on_engine))).numpy()
+        noise = float(np.abs(ops - ops_engine).max())
+        drifted = np.sort(ops[ops > 1e-5])
+        assert len(drifted) >= 4, f"{len(drifted)} of {len(ops)} carried tokens drifted; largest OPS {ops.max()}"
+        mid = drifted[len(drifted) // 4: 3 * len(drifted) // 4 + 1]
+        i = int(np.argmax(np.diff(mid)))
+        assert mid[i + 1] - mid[i] > 2 * noise, (mid, noise)
+        for strategy in (RollVerify(cfg.algo.d_s, cfg.algo.d_t), RollVerify(math.inf, float(mid[i] + mid[i + 1]) / 2)):
             a = strategy.apply(carried, on_engine, run_.loop.version)
             b = strategy.apply(carried, on_trainer, run_.loop.version)
             assert a.keep_lengths.tolist() == b.keep_lengths.tolist()
+        assert (a.keep_lengths < a.lengths).any()  # the mid threshold cuts: the comparison is not vacuous
     finally:
         run_.close()
