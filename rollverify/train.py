@@ -106,7 +106,9 @@ class Run:
             with stage("trainer") as st:
                 self.trainer = self._start_trainer()
                 st.detail = f"Megatron-Core, world size {cfg.trainer.world_size}"
-            self.engine.weight_source = self.trainer.export_weights  # a restarted server gets the current policy
+            # a restarted server gets the current policy through this process (the local launcher; a cluster
+            # run's transport takes over below)
+            self.engine.weight_source = self.trainer.export_weights
             if cfg.rollout.endpoints:
                 self.engine.update_weights(self.trainer.export_weights(), 0)
         except BaseException:
@@ -117,6 +119,9 @@ class Run:
             raise
         self._train_examples: list = []
         self._stream = self.task.stream("train", seed=cfg.seed)
+        weights = self._weight_sync()
+        if weights is not None:  # a restarted server gets the current policy through the run's transport
+            self.engine.restore_weights = weights.restore
         r = cfg.rollout
         self.loop = Loop(
             LoopConfig(
@@ -132,7 +137,7 @@ class Run:
             self.trainer,
             make_group=self.make_group,
             reward=self.reward,
-            weights=self._weight_sync(),
+            weights=weights,
         )
 
     # --- wiring -------------------------------------------------------------------------------------------

@@ -64,7 +64,9 @@ class SGLangRolloutEngine:
 
     `processes`: the ServerProcess handles of the endpoints this engine launched (same order); `relaunch(i)`
     starts a replacement for server i; `weight_source()` yields the current policy's weight buckets, pushed to a
-    restarted server (which loads the original checkpoint) before it gets any response.
+    restarted server (which loads the original checkpoint) before it gets any response. `restore_weights(slot,
+    version)`, when set, brings a restarted server to the current policy instead (a cluster run's weight
+    transport: the trainer's ranks send it, nothing crosses this process).
     """
 
     def __init__(
@@ -79,6 +81,7 @@ class SGLangRolloutEngine:
         poll_wait_s: float = 1.0,
     ) -> None:
         self.weight_source = weight_source
+        self.restore_weights: Callable[[ServerSlot, int], Any] | None = None
         self.version = 0  # the last policy version pushed
         self.faults: list[dict[str, Any]] = []  # one record per lost server
         self.last_pause: list[dict] = []  # each server's last pause reply body (timings)
@@ -348,7 +351,9 @@ class SGLangRolloutEngine:
             self._lost += held
             new = self.pool.replace(s)
             if new is not None:
-                if self.weight_source is not None:
+                if self.restore_weights is not None:
+                    self.restore_weights(new, self.version)
+                elif self.weight_source is not None:
                     self._push(self.weight_source(), self.version, [new])
                 if self.paused and not new.paused:
                     self.pool.run(new.conn.pause())

@@ -317,19 +317,28 @@ class TransportWeights:
 
     def spec(self) -> TransportSpec:
         """The live servers' spec; a new weight-update group whenever the set of servers changed."""
-        live = [(s.conn.endpoint, s.conn.curve) for s in self.engine.pool.alive()]
-        endpoints = tuple(e for e, _ in live)
+        live = self.engine.pool.alive()
+        endpoints = tuple(s.conn.endpoint for s in live)
         if self._group is None or self._group[0] != endpoints:
-            import uuid
+            self._group = (endpoints, _group_name())
+        return self._spec_of(live, self._group[1])
 
-            self._group = (endpoints, f"rollverify-weights-{uuid.uuid4().hex[:12]}")
+    def _spec_of(self, slots: list[Any], group: str) -> TransportSpec:
         # colocated, GPU by GPU: trainer rank r on the layout's GPU r, server i from GPU i * tp (slime's layout:
         # rollout from offset 0); server i's buckets come from the rank on its first GPU
-        sources = tuple(i * self.server_tp if i * self.server_tp < self.trainer_ranks else 0
-                        for i in range(len(live)))
-        return TransportSpec(self.kind, endpoints, tuple(c for _, c in live), (self.server_tp,) * len(live),
-                             group=self._group[1], backend=self.backend, master_addr=self.master_addr,
-                             ipc_sources=sources if self.kind == "ipc" else (), timeout_s=self.timeout_s)
+        sources = tuple(s.index * self.server_tp if s.index * self.server_tp < self.trainer_ranks else 0
+                        for s in slots)
+        return TransportSpec(self.kind, tuple(s.conn.endpoint for s in slots), tuple(s.conn.curve for s in slots),
+                             (self.server_tp,) * len(slots), group=group, backend=self.backend,
+                             master_addr=self.master_addr, ipc_sources=sources if self.kind == "ipc" else (),
+                             timeout_s=self.timeout_s)
+
+    def restore(self, server: Any, version: int) -> dict[str, float]:
+        """A restarted server (the engine's `restore_weights`: a pool slot serving the original checkpoint) gets
+        `version` through this transport from the trainer's ranks, like a push: over a weight-update group of
+        its own (distributed; the next push forms a new group with every live server), or from the rank on its
+        first GPU (ipc). While the trainer is offloaded its parameters come back for the send only."""
+        return self.trainer.send_weights(self._spec_of([server], _group_name()), version, self.bucket_bytes)
 
     def before_training(self) -> None:
         if not self.colocated:
@@ -360,6 +369,12 @@ class TransportWeights:
             control.call_all("memory", {"action": action, "tags": tags}, f"memory {action} {tags}")
         finally:
             control.close()
+
+
+def _group_name() -> str:
+    import uuid
+
+    return f"rollverify-weights-{uuid.uuid4().hex[:12]}"
 
 
 def weight_sync_for(launcher: str, placement: str, engine: Any, trainer: Any, *, server_tp: int = 1,

@@ -232,3 +232,19 @@ def test_colocated_handoff_order_against_the_servers(servers, trainer):
         assert np.abs(np.concatenate([lp for _, _, lp, _ in samples]) - _trainer_logprobs(trainer, samples)).max() < 1e-4
     loop_trainer.reload()  # the next training phase
     assert all(torch.equal(p, weights_before[n]) for n, p in trainer.model.named_parameters())
+
+
+def test_a_restarted_server_gets_the_policy_through_the_transport(servers, trainer):
+    """`TransportWeights.restore`, the engine's `restore_weights` for a restarted server: the trainer's ranks send
+    it the current version over a weight-update group of its own; nothing goes through the driver."""
+    from sglang_ext.rollout_engine import SGLangRolloutEngine
+    from sglang_ext.weight_transport import TransportWeights
+
+    with SGLangRolloutEngine([s.endpoint for s in servers], curve=servers[0].curve, timeout_s=120.0) as engine:
+        weights = TransportWeights(engine, trainer, "distributed", colocated=False, master_addr="127.0.0.1",
+                                   bucket_bytes=64 << 10, timeout_s=120.0)
+        stats = weights.restore(engine.pool.servers[0], 33)
+    assert stats["version"] == 33 and stats["sync_buckets"] > 1
+    samples = _sample(servers[0])
+    assert all((v == 33).all() for *_, v in samples)
+    assert np.abs(np.concatenate([lp for _, _, lp, _ in samples]) - _trainer_logprobs(trainer, samples)).max() < 1e-4
