@@ -9,7 +9,7 @@ sequential decode iterations, what rollout time follows on a GPU) and its wall s
 machine's), whether its eval reward lies within on-policy's spread over the seeds (each eval figure with its
 own standard error over the prompts), the mean OPS of the trained tokens against naive partial rollout's, and
 the tokens each mode generated per token it trained ((trained + cut) / trained: a run's last carried responses,
-still in flight when it stops, are neither).
+still in flight when it stops, are neither). Below the summary, one row per seed and mode (PER_SEED).
 """
 
 from __future__ import annotations
@@ -34,6 +34,11 @@ FIGURES = (
     "acceptance_rate",
     "generated_per_trained",
 )
+
+
+# the per-seed rows printed below the summary (every FIGURES entry is in the JSON's per_seed lists)
+PER_SEED = ("eval_last", "eval_se", "decode_iters", "step_s", "trained_ops_mean", "acceptance_rate",
+            "generated_per_trained")
 
 
 def _finite(xs: list[float]) -> list[float]:
@@ -113,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("dirs", nargs="+", type=Path, help="demo output directories, one per seed")
     ap.add_argument("--json", type=Path, help="also write the summary here")
     a = ap.parse_args(argv)
-    s = summarize(collect(a.dirs))
+    runs = collect(a.dirs)
+    s = summarize(runs)
     print(f"{len(a.dirs)} seeds; mean [min, max] per mode")
     print(f"{'figure':<18}" + "".join(f"{mode:>28}" for mode in s["modes"]))
     for f in FIGURES:
@@ -123,6 +129,13 @@ def main(argv: list[str] | None = None) -> int:
             cells.append(f"{v['mean']:.4g} [{v['min']:.3g}, {v['max']:.3g}]" if v else "-")
         print(f"{f:<18}" + "".join(f"{c:>28}" for c in cells))
     print(f"{'switched at step':<18}" + "".join(f"{str(s['modes'][m]['switched_at']):>28}" for m in s["modes"]))
+    print("\nper seed")
+    w = max(len(f) for f in PER_SEED) + 2
+    print(f"{'seed dir':<24}{'mode':<12}" + "".join(f"{f:>{w}}" for f in PER_SEED))
+    for i, d in enumerate(a.dirs):
+        for mode, rs in runs.items():
+            r = rs[i]
+            print(f"{str(d):<24}{mode:<12}" + "".join(f"{r.get(f, math.nan):>{w}.4g}" for f in PER_SEED))
     if "targets" in s:
         t = s["targets"]
         d = t["decode_iters_ratio"]
