@@ -9,5 +9,7 @@ Entry points (import the submodules; importing this package pulls in nothing hea
 * `convert`: HF <-> Megatron-Core weights for Qwen3 / Qwen3-MoE (TP, EP, PP), `iter_hf_tensors` streaming.
 * `weight_sync`: `WeightSink` (begin/push/end): in-memory, disk and callable sinks, and `TransportSink`, the
   GPU transports' (a broadcast over SGLang's weight-update group, or CUDA IPC) driven by a `BucketControl`.
+* `micro_batches`, `weights_out`, `offload`: the trainer's micro-batch runner, its weights-out side, and its
+  side of the colocated memory handoff (offload / reload of parameters, gradients, optimizer state).
 * `replay`: R3 routing replay; `cpu_compat` / `parallel`: Megatron-Core on CPU over gloo.
 """

@@ -9,6 +9,11 @@ Micro-batches go through Megatron-Core's forward-backward schedule (pipeline par
 `calculate_per_token_loss`: each micro-batch returns its summed token loss and token count, and Megatron divides
 the gradients by the token count of the whole mini-batch over micro-batches and data-parallel ranks, which is
 the design's token-mean (never the sum of TIS weights).
+
+The trainer composes one rank's parts: `MicroBatchRunner` (micro_batches.py: the DP share, micro-batches, the
+schedule, results over ranks), `WeightsOut` (weights_out.py: HF export, sync, transport send) and
+`TrainerMemory` (offload.py: the colocated memory handoff); each public method is a call the spawned and Ray
+launchers dispatch by name to every rank.
 """
 
 from __future__ import annotations
