@@ -7,6 +7,7 @@ for a graceful shutdown, then ends the server and every descendant it had, by pi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -28,6 +29,7 @@ class ServerProcess:
     endpoint: str
     info: dict[str, Any]
     log_path: Path
+    workdir: Path | None = None  # the start's own folder (ready file; the log unless log_path is elsewhere)
     _known: set[int] = field(default_factory=set)
 
     @property
@@ -80,6 +82,15 @@ class ServerProcess:
             except psutil.NoSuchProcess:
                 pass
         psutil.wait_procs(leftovers, timeout=10)
+        self._remove_workdir()
+
+    def _remove_workdir(self) -> None:
+        """The start's folder goes with the server; a log written there (no log_path given) stays, with it."""
+        if self.workdir is None:
+            return
+        (self.workdir / "ready.json").unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            self.workdir.rmdir()  # only when empty: the log of a start without log_path is kept
 
     def __enter__(self) -> ServerProcess:
         return self
@@ -136,7 +147,7 @@ def launch_server(
             stdin=subprocess.DEVNULL,
             env={**os.environ, **(env or {})},
         )
-    sp = ServerProcess(proc=proc, endpoint="", info={}, log_path=log_file)
+    sp = ServerProcess(proc=proc, endpoint="", info={}, log_path=log_file, workdir=workdir)
     deadline = time.monotonic() + startup_timeout_s
     try:
         while not ready.exists():
