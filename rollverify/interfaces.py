@@ -106,5 +106,7 @@ class WeightSync(Protocol):
     def before_training(self) -> None:
         """The rollout phase is over (the engine is paused): the trainer may take the GPU memory."""
 
-    def push(self, version: int) -> object:
-        """Every server serves the trainer's current weights as `version` (and, colocated, has its memory back)."""
+    def push(self, version: int) -> dict[str, float]:
+        """Every server serves the trainer's current weights as `version` (and, colocated, has its memory back);
+        returns the push's statistics (bytes and seconds of the transfer, bytes the trainer released), which the
+        loop logs whole under `sync/`."""

@@ -43,6 +43,7 @@ from rollverify.strategies import AlgoConfig, Strategy, make_strategy
 from rollverify.types import Group, Response
 
 VERIFY_PREFIX = "verify/"  # every statistic of the step's VerifyOutcome is logged under this prefix
+SYNC_PREFIX = "sync/"  # every statistic of the step's weight push (WeightSync.push) is logged under this prefix
 
 
 class InMemoryWeights:
@@ -55,8 +56,9 @@ class InMemoryWeights:
     def before_training(self) -> None:
         pass
 
-    def push(self, version: int) -> None:
+    def push(self, version: int) -> dict[str, float]:
         self.engine.update_weights(self.trainer.export_weights(), version)
+        return {}
 
 
 @dataclass
@@ -309,15 +311,17 @@ class Loop:
         engine: the new weights reach the engines first; they prefill the carried responses under them, which
         resuming needs anyway, and return the log-probs; the cut prefixes then resume from their cached KV."""
         engine_side = self.algo.verify_on == "engine"
+        pushed: dict[str, float] = {}
         t0 = time.perf_counter()
         if engine_side:
-            self.weights.push(self.version)
+            pushed = self.weights.push(self.version)
         t1 = time.perf_counter()
         metrics = self.verify()
         t2 = time.perf_counter()
         if not engine_side:
-            self.weights.push(self.version)
+            pushed = self.weights.push(self.version)
         t3 = time.perf_counter()
+        metrics.update({SYNC_PREFIX + k: v for k, v in (pushed or {}).items()})
         return metrics, t2 - t1, (t1 - t0) + (t3 - t2)
 
     def verify(self) -> dict[str, Any]:

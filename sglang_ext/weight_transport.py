@@ -349,18 +349,18 @@ class TransportWeights:
             self.trainer_memory.reload()
 
     def push(self, version: int) -> dict[str, float]:
-        if self.colocated and self.trainer_memory is not None:
-            self.trainer_memory.offload(("grads", "optimizer"))
+        offloading = self.colocated and self.trainer_memory is not None
+        released = dict(self.trainer_memory.offload(("grads", "optimizer")) or {}) if offloading else {}
         if self.released:
             self._memory("resume", ["weights"])
-        stats = self.trainer.send_weights(self.spec(), version, self.bucket_bytes)
+        stats = dict(self.trainer.send_weights(self.spec(), version, self.bucket_bytes) or {})
         self.engine.version = version
-        if self.colocated and self.trainer_memory is not None:
-            self.trainer_memory.offload(("params",))
+        if offloading:
+            released.update(self.trainer_memory.offload(("params",)) or {})
         if self.released:
             self._memory("resume", ["kv_cache", "cuda_graph"])
             self.released = False
-        return stats
+        return {**stats, **released}
 
     def _memory(self, action: str, tags: list[str]) -> None:
         spec = self.spec()

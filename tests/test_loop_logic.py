@@ -15,7 +15,7 @@ import pytest
 
 from rollverify.buffer import RolloutBuffer
 from rollverify.interfaces import Chunk
-from rollverify.loop import Loop, LoopConfig
+from rollverify.loop import InMemoryWeights, Loop, LoopConfig
 from rollverify.strategies import AlgoConfig
 from rollverify.types import Group
 
@@ -197,6 +197,20 @@ def test_strategy_statistics_reach_the_metrics_whole_and_ops_is_computed_once_a_
         else:
             assert stats == {"responses", "verified_tokens", "kept_tokens", "acceptance_rate", "kept_whole_rate",
                              "restarted", "truncated", "staleness_mean", "staleness_max", "ops_mean"}
+
+
+def test_the_weight_push_statistics_reach_the_metrics_whole_under_sync():
+    class Counted(InMemoryWeights):  # a transport's figures: what it moved and what the trainer released
+        def push(self, version):
+            super().push(version)
+            return {"bytes": 100.0 * version, "offload/params_bytes": 7.0}
+
+    loop, engine, trainer = make_loop("rollverify", drift=0.01)
+    loop.weights = Counted(engine, trainer)
+    for step in (1, 2):
+        m = loop.run_step().metrics
+        assert {k: v for k, v in m.items() if k.startswith("sync/")} == {
+            "sync/bytes": 100.0 * step, "sync/offload/params_bytes": 7.0}
 
 
 def test_conditional_switch_fires_on_low_acceptance_and_stops_carrying_over():

@@ -213,7 +213,7 @@ def test_colocated_handoff_order_against_the_servers(servers, trainer):
         try:
             with pytest.raises(RuntimeError, match="already released"):
                 control.call_all("memory", {"action": "release", "tags": ["kv_cache"]}, "release again")
-            weights.push(21)
+            pushed = weights.push(21)
             with pytest.raises(RuntimeError, match="were not released"):
                 control.call_all("memory", {"action": "resume", "tags": ["weights"]}, "resume again")
         finally:
@@ -226,6 +226,8 @@ def test_colocated_handoff_order_against_the_servers(servers, trainer):
     ]
     assert trainer.memory.offloaded == ("params", "grads", "optimizer")
     assert all(p.untyped_storage().nbytes() == 0 for p in trainer.model.parameters())
+    param_bytes = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+    assert pushed["version"] == 21 and pushed["offload/params_bytes"] >= param_bytes  # the push reports the release
     for s in servers:
         samples = _sample(s)
         assert all((v == 21).all() for *_, v in samples)
