@@ -43,6 +43,7 @@ from rollverify.strategies import AlgoConfig, Strategy, make_strategy
 from rollverify.types import Group, Response
 
 VERIFY_PREFIX = "verify/"  # every statistic of the step's VerifyOutcome is logged under this prefix
+TRAIN_PREFIX = "train/"  # every figure of the trainer's train_step (loss, entropy, clip fractions, ...) goes here
 SYNC_PREFIX = "sync/"  # every statistic of the step's weight push (WeightSync.push) is logged under this prefix
 
 
@@ -157,7 +158,7 @@ class Loop:
         rewards = np.concatenate([g.rewards for g in groups]) if groups else np.zeros(0)
         lengths = [r.num_tokens for g in groups for r in g.responses]
         metrics = {
-            **train_metrics,  # the trainer's own figures first: the loop's names below win
+            **train_metrics,
             **rollout,
             **verify_metrics,
             "step": self.step,
@@ -300,7 +301,7 @@ class Loop:
         self.ledger.trained += len(responses)
         self.ledger.trained_tokens += sum(r.num_tokens for r in responses)
         ops = _trained_ops(responses, metrics)
-        return {**{k: float(v) for k, v in metrics.items() if isinstance(v, int | float)}, **ops}
+        return {**{TRAIN_PREFIX + k: float(v) for k, v in metrics.items() if isinstance(v, int | float)}, **ops}
 
     # --- 3. verify ------------------------------------------------------------------------------------------
 

@@ -32,7 +32,7 @@ STEP_FIELDS = (
     "policy_version",
     "reward_mean",
     "eval_reward",
-    "entropy",
+    "train/entropy",
     "ops_mean",
     "acceptance_rate",
     "kept_whole_rate",
@@ -147,7 +147,7 @@ def summarize(records: Sequence[Mapping[str, Any]], last_n: int = 10) -> dict[st
         "eval_reward_last": evals[-1][1] if evals else None,
         "eval_reward_best": max(v for _, v in evals) if evals else None,
         "eval_reward_best_step": max(evals, key=lambda e: e[1])[0] if evals else None,
-        "entropy_last": _mean(_values(records[-last_n:], "entropy")),
+        "entropy_last": _mean(_values(records[-last_n:], "train/entropy")),
         "ops_mean": _mean(_values(records, "ops_mean")),
         "acceptance_rate_mean": _mean(_values(records, "acceptance_rate")),
         "kept_whole_rate_mean": _mean(_values(records, "kept_whole_rate")),
@@ -284,7 +284,7 @@ class MetricsWriter:
 # (file name, title, [(key, label)], y label)
 PANELS = (
     ("reward", "Reward", [("reward_mean", "train (rollout)"), ("eval_reward", "eval")], "mean reward"),
-    ("entropy", "Entropy", [("entropy", "entropy")], "nats / token"),
+    ("entropy", "Entropy", [("train/entropy", "entropy")], "nats / token"),
     ("ops", "Off-policy shift", [("ops_mean", "mean OPS")], "OPS"),
     (
         "acceptance",
@@ -406,7 +406,7 @@ def plot_run(records: Sequence[Mapping[str, Any]], out_dir: str | Path) -> list[
 COMPARE_PANELS = (
     ("Train reward", "reward_mean", "step", "mean reward"),
     ("Eval reward vs time", "eval_reward", "time", "mean reward"),
-    ("Entropy", "entropy", "step", "nats / token"),
+    ("Entropy", "train/entropy", "step", "nats / token"),
     ("Off-policy shift", "ops_mean", "step", "mean OPS"),
     ("Acceptance rate", "acceptance_rate", "step", "rate"),
     ("Step time", "step_s", "step", "seconds"),

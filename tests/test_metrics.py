@@ -36,7 +36,7 @@ def _step(k: int, mode: str = "rollverify", **kw) -> dict:
         "mode": mode,
         "policy_version": k,
         "reward_mean": 0.3 + 0.01 * k,
-        "entropy": np.float32(0.5),
+        "train/entropy": np.float32(0.5),
         "ops_mean": 0.004,
         "acceptance_rate": 0.9 - 0.05 * k,
         "kept_whole_rate": 0.8,
@@ -69,7 +69,7 @@ def test_record_fields_and_json():
     rec = make_record(_step(3, eval_reward=float("nan"), hist=np.arange(3), extra_obj=object()))
     assert list(rec)[: len(STEP_FIELDS)] == list(STEP_FIELDS)
     assert rec["eval_reward"] is None  # NaN -> null
-    assert rec["entropy"] == pytest.approx(0.5) and isinstance(rec["tokens_generated"], int)
+    assert rec["train/entropy"] == pytest.approx(0.5) and isinstance(rec["tokens_generated"], int)
     assert rec["hist"] == [0, 1, 2] and rec["lr"] == 1e-4 and isinstance(rec["extra_obj"], str)
     json.dumps(rec, allow_nan=False)
     assert make_record({"step": 1})["reward_mean"] is None

@@ -93,7 +93,7 @@ def run_figures(run_dir: Path) -> dict | None:
     summary = json.loads((run_dir / "summary.json").read_text())
     evals = _finite(r.get("eval_reward") for r in records)
     ops_first, ops_last = _thirds(records, "trained_ops_mean")
-    ent_first, ent_last = _thirds(records, "entropy")
+    ent_first, ent_last = _thirds(records, "train/entropy")
     return {
         "step_s": _mean(r.get("step_s") for r in records),
         "eval_reward": evals[-1] if evals else None,
@@ -213,7 +213,7 @@ def figures(out: Path, seeds: list[int]) -> list[Path]:
 
     specs = {
         "fig4.png": (["on_policy", "partial", "rollverify"],
-                     [("reward_mean", "train reward"), ("entropy", "entropy"), ("trained_ops_mean", "OPS of trained tokens"),
+                     [("reward_mean", "train reward"), ("train/entropy", "entropy"), ("trained_ops_mean", "OPS of trained tokens"),
                       ("response_length_mean", "response length (tokens)")]),
         "fig5b.png": (["seq_token"], [("acceptance_rate", "acceptance"), ("rollout_s", "rollout time (s)")]),
     }
