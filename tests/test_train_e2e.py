@@ -101,7 +101,9 @@ def test_engine_side_verification_matches_the_trainer_with_exact_accounting(serv
     Each group's two responses get rewards 0 and 1, so every step's advantages are non-zero, and lr 1e-3 moves
     the policy far enough that carried tokens drift. Equal rewards within every group (the task's reward often
     gives the tiny model that) mean zero advantages, no gradient and, with weight decay 0, unchanged weights:
-    every carried token's OPS would sit at the engine/trainer floor."""
+    every carried token's OPS would sit at the engine/trainer floor. The run verifies with infinite thresholds
+    (the engine's log-probs and the statistics, no cut), so the drifted tokens stay in the buffer for the
+    comparison: at the defaults a drift this large can cut every carried response back to its prompt."""
     import math
 
     import numpy as np
@@ -113,7 +115,7 @@ def test_engine_side_verification_matches_the_trainer_with_exact_accounting(serv
 
     cfg = load_config(None, [*SMALL, "trainer.steps=3", f"rollout.endpoints=[\"{server.endpoint}\"]",
                              "algo.mode=rollverify", "algo.verify_on=engine", "algo.conditional_switch=false",
-                             "trainer.lr=1e-3"])
+                             "algo.d_s=inf", "algo.d_t=inf", "trainer.lr=1e-3"])
     run_ = Run(cfg, tmp_path / "run")
     try:
         forwards = []
