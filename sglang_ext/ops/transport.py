@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NoReturn
 
 from sglang_ext.dispatch import Handler, Reply
-from sglang_ext.ops.weights import WEIGHT_DTYPES
+from sglang_ext.ops.weights import check_tensor_specs
 from sglang_ext.protocol import (
     DistributedBucketBody,
     ErrorCode,
@@ -163,23 +163,8 @@ class TransportOps:
     def _check_meta(self, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> None:
         """Every tensor of a bucket against the served checkpoint, before any byte is received (the body's
         validation made names, dtypes and shapes one per tensor)."""
-        served = self.server.info.weights
-        problems = []
-        for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
-            known = served.get(name)
-            if known is None:
-                problems.append(f"unknown weight name {name!r}")
-            elif dtype not in WEIGHT_DTYPES:
-                problems.append(f"weight {name!r} has dtype {dtype}; expected one of {list(WEIGHT_DTYPES)}")
-            elif tuple(shape) != known[0]:
-                problems.append(f"weight {name!r} has shape {shape} but the model's is {list(known[0])}")
-        if problems:
-            raise ProtocolError(
-                ErrorCode.WEIGHT_INVALID,
-                "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
-                + ". Nothing of this bucket was applied",
-                {"problems": problems[:100]},
-            )
+        check_tensor_specs(self.server.info.weights, zip(names, dtypes, shapes, strict=True),
+                           "Nothing of this bucket was applied")
 
     async def _bucket(self, transport: str, version: int, index: int, load: Callable[[], Awaitable[None]],
                       tensors: int) -> Reply:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,26 @@ if TYPE_CHECKING:
     from sglang_ext.server import ControlServer
 
 WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def check_tensor_specs(served: dict, specs: Iterable[tuple[str, str, Sequence[int]]], outcome: str) -> None:
+    """Every (name, dtype, shape) of an update against the served checkpoint's `served` weights (name -> (shape,
+    ...)); WEIGHT_INVALID naming the first five problems, then `outcome` (what the refusal left applied)."""
+    problems = []
+    for name, dtype, shape in specs:
+        known = served.get(name)
+        if known is None:
+            problems.append(f"unknown weight name {name!r}")
+        elif dtype not in WEIGHT_DTYPES:
+            problems.append(f"weight {name!r} has dtype {dtype}; expected one of {list(WEIGHT_DTYPES)}")
+        elif tuple(shape) != known[0]:
+            problems.append(f"weight {name!r} has shape {list(shape)} but the model's is {list(known[0])}")
+    if problems:
+        raise ProtocolError(
+            ErrorCode.WEIGHT_INVALID,
+            "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "") + f". {outcome}",
+            {"problems": problems[:100]},
+        )
 
 
 @dataclass
@@ -96,24 +117,12 @@ class WeightOps:
         """Validate every tensor of a bucket against the served checkpoint, then build owned torch tensors."""
         import torch
 
-        served = self.server.info.weights
+        check_tensor_specs(
+            self.server.info.weights,
+            ((name, spec.dtype, spec.shape) for name, (spec, _raw) in msg.frames.items()),
+            "Nothing was applied: the old weights keep serving",
+        )
         problems = []
-        for name, (spec, _raw) in msg.frames.items():
-            known = served.get(name)
-            if known is None:
-                problems.append(f"unknown weight name {name!r}")
-            elif spec.dtype not in WEIGHT_DTYPES:
-                problems.append(f"weight {name!r} has dtype {spec.dtype}; expected one of {list(WEIGHT_DTYPES)}")
-            elif tuple(spec.shape) != known[0]:
-                problems.append(f"weight {name!r} has shape {spec.shape} but the model's is {list(known[0])}")
-        if problems:
-            raise ProtocolError(
-                ErrorCode.WEIGHT_INVALID,
-                "; ".join(problems[:5])
-                + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
-                + ". Nothing was applied: the old weights keep serving",
-                {"problems": problems[:100]},
-            )
         out = []
         for name, (spec, raw) in msg.frames.items():
             dt = getattr(torch, spec.dtype)
