@@ -322,7 +322,7 @@ class Loop:
         if not engine_side:
             pushed = self.weights.push(self.version)
         t3 = time.perf_counter()
-        metrics.update({SYNC_PREFIX + k: v for k, v in (pushed or {}).items()})
+        metrics.update({SYNC_PREFIX + k: v for k, v in pushed.items()})
         return metrics, t2 - t1, (t1 - t0) + (t3 - t2)
 
     def verify(self) -> dict[str, Any]:

@@ -350,13 +350,13 @@ class TransportWeights:
 
     def push(self, version: int) -> dict[str, float]:
         offloading = self.colocated and self.trainer_memory is not None
-        released = dict(self.trainer_memory.offload(("grads", "optimizer")) or {}) if offloading else {}
+        released = self.trainer_memory.offload(("grads", "optimizer")) if offloading else {}
         if self.released:
             self._memory("resume", ["weights"])
-        stats = dict(self.trainer.send_weights(self.spec(), version, self.bucket_bytes) or {})
+        stats = self.trainer.send_weights(self.spec(), version, self.bucket_bytes)
         self.engine.version = version
         if offloading:
-            released.update(self.trainer_memory.offload(("params",)) or {})
+            released = {**released, **self.trainer_memory.offload(("params",))}
         if self.released:
             self._memory("resume", ["kv_cache", "cuda_graph"])
             self.released = False
