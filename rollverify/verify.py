@@ -14,7 +14,9 @@ and ``keep_lengths = L2``. An infinite threshold turns its stage off.
 
 Everything is vectorised, and the packed inputs are read once: on CPU the tokens stream through in
 cache-sized blocks, and per block the only per-token work is computing D, one sum per row of ``ROW``
-tokens, and comparing each version with its predecessor (segment boundaries). Segment sums and the
+tokens, and comparing each version with its predecessor (segment boundaries). Large CPU batches sum the
+rows in one compiled kernel (torch.compile) that never writes D; the versions stay in the blocks, where
+numpy compares them faster than the compiled integer code does. Segment sums and the
 token-stage search then touch only rows that matter: the rows holding a segment boundary, and the rows
 whose sum reaches d_t (D >= 0, so a row holding a token >= d_t has a row sum >= d_t).
 """
@@ -22,6 +24,7 @@ whose sum reaches d_t (D >= 0, so a row holding a token >= d_t has a row sum >= 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,7 +34,9 @@ from torch import Tensor
 
 ROW = 64  # tokens per row of the two-level sum
 CPU_BLOCK = 1 << 19  # tokens per streamed block on CPU (2 MiB of float32: stays in cache)
+FUSED_MIN_TOKENS = 1 << 20  # CPU batches above this sum D's rows in one compiled kernel (_compiled_row_sums)
 LOG2_E = 1.4426950408889634
+_COMPILED: dict[Callable, Callable | None] = {}  # D's function -> its compiled row sums (None: failed)
 
 TensorLike = Tensor | np.ndarray
 
@@ -79,8 +84,18 @@ def token_ops(old_logprobs: Tensor, new_logprobs: Tensor, out: Tensor | None = N
     taken as 2^(x log2 e): exp2 costs half of exp on CPU and differs from it by a few float32 ulps.
     """
     x = torch.sub(new_logprobs.float(), old_logprobs.float(), out=out).mul_(LOG2_E)
-    x.nan_to_num_(nan=math.inf, posinf=math.inf, neginf=math.inf)
+    if torch.compiler.is_compiling():  # the same map: inductor vectorises the comparison, not isnan
+        x.masked_fill_((x > -math.inf).logical_not_(), math.inf)
+    else:
+        x.nan_to_num_(nan=math.inf, posinf=math.inf, neginf=math.inf)
     return x.exp2_().sub_(1.0).abs_()
+
+
+def nan_to_inf(ops: Tensor, out: Tensor | None = None) -> Tensor:
+    """Precomputed D in float32 with NaN read as inf."""
+    if torch.compiler.is_compiling():  # the same map (D >= 0 or NaN): inductor vectorises the comparison
+        return torch.where(ops.float() >= 0, ops.float(), math.inf)
+    return torch.nan_to_num(ops.float(), nan=math.inf, posinf=math.inf, out=out)
 
 
 def two_stage_verify(
@@ -137,9 +152,6 @@ def two_stage_verify_ops(
     versions, lengths = _check_segments_input(versions, lengths, d.shape[0], d.device)
     d_s, d_t = _check_threshold(d_s, "d_s"), _check_threshold(d_t, "d_t")
     block = _check_block(block, d)
-
-    def nan_to_inf(x: Tensor, out: Tensor | None = None) -> Tensor:
-        return torch.nan_to_num(x.float(), nan=math.inf, posinf=math.inf, out=out)
 
     return _verify(_Source((d,), nan_to_inf), versions, lengths, d_s, d_t, block)
 
@@ -204,23 +216,52 @@ def _verify(ops: _Source, versions: Tensor, lengths: Tensor, d_s: float, d_t: fl
 
 def _scan(ops: _Source, versions: Tensor, block: int) -> tuple[Tensor, Tensor]:
     """The one pass over the packed inputs, in blocks of whole rows: the sum of D over each row of ROW
-    tokens (the last row zero-padded), and the sorted positions j >= 1 where versions[j] != versions[j - 1]."""
+    tokens (the last row zero-padded), and the sorted positions j >= 1 where versions[j] != versions[j - 1].
+    On CPU above FUSED_MIN_TOKENS the whole rows' sums come from one compiled kernel instead."""
     n = versions.shape[0]
-    n_rows = -(-n // ROW)
-    row_sums = torch.empty(n_rows, dtype=torch.float32, device=versions.device)
+    row_sums = torch.empty(-(-n // ROW), dtype=torch.float32, device=versions.device)
+    summed = 0  # tokens [0, summed) have their rows summed
+    if versions.device.type == "cpu" and n > FUSED_MIN_TOKENS:
+        summed = _compiled_row_sums(ops, n // ROW * ROW, row_sums)
     block = -(-block // ROW) * ROW
-    buf = torch.empty(min(block, n_rows * ROW), dtype=torch.float32, device=versions.device)
+    buf = torch.empty(min(block, -(-(n - summed) // ROW) * ROW), dtype=torch.float32, device=versions.device)
     changed = torch.empty(min(block, n), dtype=torch.bool, device=versions.device)
     changes = [versions.new_zeros(0, dtype=torch.int64)]
     for s in range(0, n, block):
         e = min(n, s + block)
-        x = buf[: -(-(e - s) // ROW) * ROW]
-        ops.block(s, e, out=x[: e - s])
-        if e - s < x.shape[0]:
-            x[e - s :] = 0.0  # the last row's padding
-        torch.sum(x.view(-1, ROW), dim=1, out=row_sums[s // ROW : s // ROW + x.shape[0] // ROW])
         changes.append(_version_changes(versions, max(s, 1), e, changed))
+        if e > summed:
+            lo = max(s, summed)
+            x = buf[: -(-(e - lo) // ROW) * ROW]
+            ops.block(lo, e, out=x[: e - lo])
+            if e - lo < x.shape[0]:
+                x[e - lo :] = 0.0  # the last row's padding
+            torch.sum(x.view(-1, ROW), dim=1, out=row_sums[lo // ROW : lo // ROW + x.shape[0] // ROW])
     return row_sums, torch.cat(changes)
+
+
+def _compiled_row_sums(ops: _Source, m: int, row_sums: Tensor) -> int:
+    """D summed over each row of tokens [0, m) (m a multiple of ROW) into ``row_sums`` by one compiled kernel
+    (torch.compile) that reads the inputs once and never writes D, which the eager blocks do; returns m, or 0
+    when compiling failed (no C++ compiler, say: a warning names why, and the eager blocks sum every row).
+    Compiling takes seconds once per process, hence only for batches above FUSED_MIN_TOKENS."""
+    fn = ops.fn
+    kernel = _COMPILED.get(fn, ...)
+    if kernel is ...:
+
+        def sums(*inputs: Tensor) -> Tensor:
+            return fn(*inputs).view(-1, ROW).sum(1)
+
+        kernel = _COMPILED[fn] = torch.compile(sums, dynamic=True)
+    if kernel is None:
+        return 0
+    try:
+        row_sums[: m // ROW] = kernel(*(x[:m] for x in ops.inputs))
+    except Exception as e:  # an optimisation only: any failure to compile leaves the eager blocks
+        warnings.warn(f"verification runs without its compiled pass ({type(e).__name__}: {e})", stacklevel=4)
+        _COMPILED[fn] = None
+        return 0
+    return m
 
 
 def _version_changes(versions: Tensor, lo: int, e: int, scratch: Tensor) -> Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -232,6 +233,70 @@ def test_long_batch_crossing_many_blocks():
     for block in (ROW, 1000, 4096, None):
         got = two_stage_verify(old, new, versions, lengths, 0.01, 0.05, block=block).keep_lengths
         assert got.tolist() == expect
+
+
+def _large_batch(seed: int):
+    """~40K tokens (not a whole number of rows) in 30 responses of 1-3 versions, NaN and +-inf log-probs
+    placed in a few tokens, one token drifted hard."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 2700, (30,), generator=g)
+    n = int(lengths.sum())
+    old = -torch.rand(n, generator=g) * 5
+    new = old + torch.randn(n, generator=g) * 0.01
+    versions = torch.cat([torch.randint(0, 3, (1,), generator=g).expand(int(k)) for k in lengths])
+    versions = versions + (torch.arange(n) % 997 == 0).cumsum(0)  # version changes inside responses
+    new[[7, 9000, n - 1]] = torch.tensor([-INF, NAN, INF])
+    old[[20000, 20001]] = torch.tensor([NAN, -INF])
+    new[30000] = old[30000] + 1.5
+    return old, new, versions, lengths
+
+
+def test_compiled_row_sums_give_the_eager_results(monkeypatch):
+    """Above FUSED_MIN_TOKENS a CPU batch's rows are summed by a compiled kernel: the cuts, the segments and
+    their statistics are those of the eager blocks and of the reference, on both entry points and with the
+    non-finite log-probs mapped to inf as the eager pass maps them (a warning would mean it fell back)."""
+    import rollverify.verify as verify
+
+    monkeypatch.setattr(verify, "_COMPILED", {})
+    old, new, versions, lengths = _large_batch(3)
+    d = token_ops(old, new)
+    d_t = float(d[30000])  # exactly one token's D: found only if its row's sum is >= it
+    cases = [(two_stage_verify, (old, new)), (two_stage_verify_ops, (d,))]
+    for fn, inputs in cases:
+        monkeypatch.setattr(verify, "FUSED_MIN_TOKENS", 1 << 40)
+        eager = fn(*inputs, versions, lengths, 0.01, d_t)
+        monkeypatch.setattr(verify, "FUSED_MIN_TOKENS", 0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            fused = fn(*inputs, versions, lengths, 0.01, d_t)
+        for field in ("keep_lengths", "seq_keep_lengths", "segment_starts", "segment_versions"):
+            assert torch.equal(getattr(fused, field), getattr(eager, field)), field
+        torch.testing.assert_close(fused.segment_mean_ops, eager.segment_mean_ops, rtol=1e-5, atol=1e-7)
+        assert fused.keep_lengths.tolist() == reference_verify(
+            old.tolist(), new.tolist(), versions.tolist(), lengths.tolist(), 0.01, d_t
+        )
+    assert len(verify._COMPILED) == 2 and None not in verify._COMPILED.values()
+
+
+def test_compiled_row_sums_fall_back_to_the_eager_blocks_with_a_warning(monkeypatch):
+    import rollverify.verify as verify
+
+    def no_compiler(fn, **kwargs):
+        def run(*args):
+            raise RuntimeError("no C++ compiler")
+
+        return run
+
+    monkeypatch.setattr(verify, "_COMPILED", {})
+    monkeypatch.setattr(verify.torch, "compile", no_compiler)
+    old, new, versions, lengths = _large_batch(4)
+    expect = reference_verify(old.tolist(), new.tolist(), versions.tolist(), lengths.tolist(), 0.01, 2.0)
+    monkeypatch.setattr(verify, "FUSED_MIN_TOKENS", 0)
+    with pytest.warns(UserWarning, match="without its compiled pass .*no C\\+\\+ compiler"):
+        assert two_stage_verify(old, new, versions, lengths).keep_lengths.tolist() == expect
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once: the next batch goes straight to the eager blocks
+        assert two_stage_verify(old, new, versions, lengths).keep_lengths.tolist() == expect
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
