@@ -14,6 +14,7 @@ import logging
 import os
 import struct
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -418,47 +419,47 @@ class EngineHandle:
             ftype, err = "error", str(fr.get("message"))
         return GenResult(ids, logprobs, routes, ftype, matched if isinstance(matched, int) else None, err)
 
-    async def input_logprobs(self, rid: str, input_ids: list[int], start: int) -> np.ndarray:
-        """Log-probs (float32) of `input_ids[start:]` under the served weights, each at the position before it.
+    async def input_logprobs(self, requests: Sequence[PrefillRequest]) -> list[np.ndarray]:
+        """Log-probs (float32) of each request's `input_ids[start:]` under the served weights, each at the
+        position before it.
 
-        One prefill-only request (`max_new_tokens` 0, nothing sampled): SGLang's input log-probs, asked from
-        `start - 1` on, since its first entry is the shifted-out position and carries no value. They are
-        `log_softmax(logits)`, never tempered (SGLang 0.5.23 applies the temperature to output log-probs only).
-        The request's KV enters the prefix (radix) cache when it ends, so a later request for a prefix of
-        `input_ids` prefills only what follows the cached part. Raises RuntimeError when SGLang refuses the
-        request or answers with other tokens or another count than asked."""
+        One batched prefill-only request (`max_new_tokens` 0, nothing sampled): SGLang hands a batch of
+        pre-tokenized inputs to its scheduler as one message, so they prefill together instead of in the
+        batches their one-by-one arrival would make. SGLang's input log-probs are asked from `start - 1` on,
+        since its first entry is the shifted-out position and carries no value; they are `log_softmax(logits)`,
+        never tempered (SGLang 0.5.23 applies the temperature to output log-probs only). Each request's KV
+        enters the prefix (radix) cache when it ends, so a later request for a prefix of its `input_ids`
+        prefills only what follows the cached part. Raises RuntimeError when SGLang refuses the batch or
+        answers a request with other tokens or another count than asked."""
         from sglang.srt.managers.io_struct import GenerateReqInput
 
-        if not 1 <= start <= len(input_ids):
-            raise ValueError(f"start {start} must be in [1, {len(input_ids)}] (the first input token has no log-prob)")
-        if start == len(input_ids):
-            return np.zeros(0, np.float32)
+        for r in requests:
+            if not 1 <= r.start <= len(r.input_ids):
+                raise ValueError(
+                    f"request {r.rid}: start {r.start} must be in [1, {len(r.input_ids)}] (the first input token "
+                    "has no log-prob)"
+                )
+        out = [np.zeros(0, np.float32) for _ in requests]
+        todo = [i for i, r in enumerate(requests) if r.start < len(r.input_ids)]
+        if not todo:
+            return out
         obj = GenerateReqInput(
-            input_ids=input_ids,
-            sampling_params={"max_new_tokens": 0},
+            input_ids=[requests[i].input_ids for i in todo],
+            sampling_params=[{"max_new_tokens": 0} for _ in todo],
             return_logprob=True,
-            logprob_start_len=start - 1,
-            rid=rid,
+            logprob_start_len=[requests[i].start - 1 for i in todo],
+            rid=[requests[i].rid for i in todo],
         )
         gen = self.tm.generate_request(obj, None)
         try:
-            out = await gen.__anext__()
+            answers = await gen.__anext__()
         except (ValueError, RuntimeError) as e:
-            raise RuntimeError(f"SGLang refused the log-prob request {rid}: {e}") from e
+            raise RuntimeError(f"SGLang refused the log-prob requests {requests[todo[0]].rid}...: {e}") from e
         finally:
             await gen.aclose()
-        meta = out["meta_info"]
-        fr = meta.get("finish_reason") or {}
-        if isinstance(fr, dict) and fr.get("type") == "abort":
-            raise RuntimeError(f"SGLang aborted the log-prob request {rid}: {fr.get('message')}")
-        entries = (meta.get("input_token_logprobs") or [])[1:]
-        want = input_ids[start:]
-        if len(entries) != len(want) or any(e[1] != t for e, t in zip(entries, want, strict=False)):
-            raise RuntimeError(
-                f"SGLang returned {len(entries)} input log-probs for request {rid}, not those of the {len(want)} "
-                f"tokens asked for"
-            )
-        return np.fromiter((e[0] for e in entries), dtype=np.float32, count=len(entries))
+        for i, answer in zip(todo, answers, strict=True):
+            out[i] = _input_logprobs(requests[i], answer["meta_info"])
+        return out
 
     def abort_all(self) -> None:
         self.tm.abort_request(abort_all=True)
@@ -602,3 +603,27 @@ class EngineTransport:
         from sglang.srt.managers.io_struct import ResumeMemoryOccupationReqInput
 
         await self.tm.resume_memory_occupation(ResumeMemoryOccupationReqInput(tags=tags), None)
+
+
+@dataclass(frozen=True)
+class PrefillRequest:
+    """One sequence whose tokens from `start` on get their log-probs (`SGLangEngine.input_logprobs`)."""
+
+    rid: str
+    input_ids: list[int]
+    start: int
+
+
+def _input_logprobs(req: PrefillRequest, meta: dict) -> np.ndarray:
+    """The log-probs of `req.input_ids[req.start:]` from SGLang's answer, checked token by token."""
+    fr = meta.get("finish_reason") or {}
+    if isinstance(fr, dict) and fr.get("type") == "abort":
+        raise RuntimeError(f"SGLang aborted the log-prob request {req.rid}: {fr.get('message')}")
+    entries = (meta.get("input_token_logprobs") or [])[1:]
+    want = req.input_ids[req.start :]
+    if len(entries) != len(want) or any(e[1] != t for e, t in zip(entries, want, strict=False)):
+        raise RuntimeError(
+            f"SGLang returned {len(entries)} input log-probs for request {req.rid}, not those of the {len(want)} "
+            f"tokens asked for"
+        )
+    return np.fromiter((e[0] for e in entries), dtype=np.float32, count=len(entries))

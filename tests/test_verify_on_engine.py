@@ -22,6 +22,7 @@ from rollverify.loop import Loop, LoopConfig
 from rollverify.strategies import AlgoConfig
 from rollverify.types import Group
 from sglang_ext.client import ControlError, ServerConnection, SubmitRequest
+from sglang_ext.engine import PrefillRequest
 from sglang_ext.protocol import ErrorCode, WireSamplingParams
 from sglang_ext.rollout_engine import SGLangRolloutEngine
 
@@ -37,12 +38,15 @@ class PrefillingEngine(FakeEngine):
         self.prefills: list[tuple[int, int]] = []  # (input length, start) per engine request
         self.fail = False
 
-    async def input_logprobs(self, rid: str, input_ids: list[int], start: int) -> np.ndarray:
+    async def input_logprobs(self, requests: list[PrefillRequest]) -> list[np.ndarray]:
         await asyncio.sleep(self.step_s)
         if self.fail:
             raise RuntimeError("SGLang refused the log-prob request")
-        self.prefills.append((len(input_ids), start))
-        return np.array([self.logprob(t, j) for j, t in enumerate(input_ids) if j >= start], np.float32)
+        self.prefills += [(len(r.input_ids), r.start) for r in requests if r.start < len(r.input_ids)]
+        return [
+            np.array([self.logprob(t, j) for j, t in enumerate(r.input_ids) if j >= r.start], np.float32)
+            for r in requests
+        ]
 
 
 def _record(buffer: RolloutBuffer, chunks) -> None:

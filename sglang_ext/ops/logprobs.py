@@ -8,7 +8,6 @@ come back; its KV stays in SGLang's prefix cache, so resuming it from any kept p
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections import Counter
 from typing import TYPE_CHECKING
@@ -16,8 +15,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from sglang_ext.dispatch import Handler, Reply
+from sglang_ext.engine import PrefillRequest
 from sglang_ext.protocol import ComputeLogprobsBody, ErrorCode, Message, ProtocolError
-from sglang_ext.store import Record
 
 if TYPE_CHECKING:
     from sglang_ext.server import ControlServer
@@ -30,7 +29,7 @@ class LogprobOps:
     def __init__(self, server: ControlServer):
         self.server = server
         self.records = server.records
-        self._requests = 0  # engine request ids: unique per call, never a generation's
+        self._requests = 0  # calls so far: engine request ids are unique per call, never a generation's
 
     def handlers(self) -> dict[str, Handler]:
         return {"compute_logprobs": self.compute_logprobs}
@@ -61,15 +60,16 @@ class LogprobOps:
                 {"rids": [r for r, _ in tempered[:100]]},
             )
         t0 = time.perf_counter()
+        self._requests += 1
+        requests = [
+            PrefillRequest(f"{r.rid}#lp{self._requests}", np.concatenate([r.prompt, r.tokens]).tolist(), len(r.prompt))
+            for r in targets
+        ]
         async with self.server.engine_calls.call():
-            results = await asyncio.gather(*(self._one(r) for r in targets), return_exceptions=True)
-        failed = [(r.rid, e) for r, e in zip(targets, results, strict=True) if isinstance(e, BaseException)]
-        if failed:
-            rid, e = failed[0]
-            raise ProtocolError(
-                ErrorCode.ENGINE_ERROR, f"compute_logprobs of response {rid} failed ({len(failed)} failed): {e}"
-            )
-        lps: list[np.ndarray] = results  # type: ignore[assignment]
+            try:
+                lps = await self.server.engine.input_logprobs(requests)
+            except (RuntimeError, ValueError) as e:
+                raise ProtocolError(ErrorCode.ENGINE_ERROR, f"compute_logprobs failed: {e}") from e
         counts = np.fromiter((len(x) for x in lps), np.int32, len(lps))
         reply = {
             "rids": list(body.rids),
@@ -79,10 +79,3 @@ class LogprobOps:
         }
         flat = np.concatenate(lps) if lps else np.zeros(0, np.float32)
         return reply, {"counts": counts, "logprobs": flat.astype(np.float32, copy=False)}, None
-
-    async def _one(self, rec: Record) -> np.ndarray:
-        if not len(rec):
-            return np.zeros(0, np.float32)
-        self._requests += 1
-        ids = np.concatenate([rec.prompt, rec.tokens]).tolist()
-        return await self.server.engine.input_logprobs(f"{rec.rid}#lp{self._requests}", ids, len(rec.prompt))
