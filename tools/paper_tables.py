@@ -63,6 +63,8 @@ COLUMNS = {  # column -> (header, format)
     "eval_reward": ("eval reward", "{:.3f}"),
     "trained_ops": ("OPS of trained tokens", "{:.3g}"),
     "acceptance": ("acceptance", "{:.3f}"),
+    "decode_iters": ("decode iters/step", "{:.1f}"),
+    "generated_per_trained": ("generated / trained tokens", "{:.2f}"),
     "wall_min": ("run time (min)", "{:.1f}"),
 }
 QUICK = ["trainer.steps=2", "rollout.batch_groups=2", "rollout.n=2", "rollout.max_new_tokens=48", "rollout.max_live=8",
@@ -91,6 +93,7 @@ def run_figures(run_dir: Path) -> dict | None:
         return None
     records = load_metrics(run_dir)
     summary = json.loads((run_dir / "summary.json").read_text())
+    ledger = summary["ledger"]
     evals = _finite(r.get("eval_reward") for r in records)
     ops_first, ops_last = _thirds(records, "trained_ops_mean")
     ent_first, ent_last = _thirds(records, "train/entropy")
@@ -99,6 +102,9 @@ def run_figures(run_dir: Path) -> dict | None:
         "eval_reward": evals[-1] if evals else None,
         "trained_ops": _mean(r.get("trained_ops_mean") for r in records),
         "acceptance": _mean(r.get("acceptance_rate") for r in records),
+        "decode_iters": _mean(r.get("decode_iters") for r in records),
+        "generated_per_trained": ledger["generated_tokens"] / ledger["trained_tokens"] if ledger["trained_tokens"]
+        else None,
         "wall_min": summary["wall_s"] / 60 if "wall_s" in summary else None,
         "ops_first_third": ops_first, "ops_last_third": ops_last,
         "entropy_first_third": ent_first, "entropy_last_third": ent_last,
@@ -158,13 +164,14 @@ def claims(agg: dict) -> list[tuple[str, str, str]]:
     out.append(("the token stage raises acceptance", "n/a" if not have(a_seq, a_tok) else "yes" if a_tok > a_seq else "no",
                 f"acceptance sequence stage only {f(a_seq)}, with the token stage {f(a_tok)}"))
     ds = [(0.005, "ds_0.005"), (0.01, "seq"), (0.02, "ds_0.02"), (0.05, "ds_0.05")]
-    pts = [(d, ev[r], _m(agg, r, "step_s")) for d, r in ds]
-    ok = all(have(e, s) for _, e, s in pts)
-    trend = ok and _spearman([d for d, _, _ in pts], [e for _, e, _ in pts]) < 0 and _spearman(
-        [d for d, _, _ in pts], [s for _, _, s in pts]) < 0
-    out.append(("smaller d_s is more accurate and slower (rank correlation of d_s with eval and with step time < 0)",
+    pts = [(d, ev[r], _m(agg, r, "decode_iters"), _m(agg, r, "step_s")) for d, r in ds]
+    ok = all(have(e, i) for _, e, i, _ in pts)
+    trend = ok and _spearman([d for d, *_ in pts], [e for _, e, _, _ in pts]) < 0 and _spearman(
+        [d for d, *_ in pts], [i for _, _, i, _ in pts]) < 0
+    out.append(("smaller d_s is more accurate and slower (rank correlation of d_s with eval and with decode "
+                "iterations per step < 0; step time, which the machine's load moves, beside them)",
                 "n/a" if not ok else "yes" if trend else "no",
-                "; ".join(f"d_s {d}: eval {f(e)}, step {f(s)} s" for d, e, s in pts)))
+                "; ".join(f"d_s {d}: eval {f(e)}, {f(i)} decode iters/step, step {f(s)} s" for d, e, i, s in pts)))
     reshaped = ["partial_gspo", "partial_sapo", "partial_vespo"]
     ok = have(ev["rollverify"], *(ev[r] for r in reshaped))
     out.append(("loss reshaping does not close the gap that sample verification closes (each reshaped partial run "
@@ -242,7 +249,7 @@ def write_report(out: Path, seeds: list[int], agg: dict, figs: list[Path], log: 
     lines = [f"# The paper's tables on the tiny task ({len(seeds)} seed(s): {seeds}; cells: mean [min, max])", ""]
     for title, rows in TABLES.values():
         keys = ["eval_reward", "trained_ops", "step_s", "wall_min"] if "Table 6" in title else \
-            ["step_s", "eval_reward", "trained_ops", "acceptance"]
+            ["step_s", "decode_iters", "generated_per_trained", "eval_reward", "trained_ops", "acceptance"]
         lines += [f"## {title}", "", "| | " + " | ".join(COLUMNS[k][0] for k in keys) + " | seeds |",
                   "|---" * (len(keys) + 2) + "|"]
         for label, run in rows:
