@@ -454,7 +454,9 @@ class EngineHandle:
         try:
             answers = await gen.__anext__()
         except (ValueError, RuntimeError) as e:
-            raise RuntimeError(f"SGLang refused the log-prob requests {requests[todo[0]].rid}...: {e}") from e
+            raise RuntimeError(
+                f"SGLang refused the batch of {len(todo)} log-prob requests (the first {requests[todo[0]].rid}): {e}"
+            ) from e
         finally:
             await gen.aclose()
         for i, answer in zip(todo, answers, strict=True):
