@@ -609,7 +609,7 @@ class EngineTransport:
 
 @dataclass(frozen=True)
 class PrefillRequest:
-    """One sequence whose tokens from `start` on get their log-probs (`SGLangEngine.input_logprobs`)."""
+    """One sequence whose tokens from `start` on get their log-probs (`EngineHandle.input_logprobs`)."""
 
     rid: str
     input_ids: list[int]
