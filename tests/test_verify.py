@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import shutil
 import warnings
 
 import numpy as np
@@ -251,6 +253,7 @@ def _large_batch(seed: int):
     return old, new, versions, lengths
 
 
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None, reason="torch.compile needs a C++ compiler")
 def test_compiled_row_sums_give_the_eager_results(monkeypatch):
     """Above FUSED_MIN_TOKENS a CPU batch's rows are summed by a compiled kernel: the cuts, the segments and
     their statistics are those of the eager blocks and of the reference, on both entry points and with the
