@@ -84,18 +84,20 @@ def token_ops(old_logprobs: Tensor, new_logprobs: Tensor, out: Tensor | None = N
     taken as 2^(x log2 e): exp2 costs half of exp on CPU and differs from it by a few float32 ulps.
     """
     x = torch.sub(new_logprobs.float(), old_logprobs.float(), out=out).mul_(LOG2_E)
-    if torch.compiler.is_compiling():  # the same map: inductor vectorises the comparison, not isnan
-        x.masked_fill_((x > -math.inf).logical_not_(), math.inf)
-    else:
-        x.nan_to_num_(nan=math.inf, posinf=math.inf, neginf=math.inf)
-    return x.exp2_().sub_(1.0).abs_()
+    return _nonfinite_to_inf(x, out=x).exp2_().sub_(1.0).abs_()
 
 
 def nan_to_inf(ops: Tensor, out: Tensor | None = None) -> Tensor:
-    """Precomputed D in float32 with NaN read as inf."""
-    if torch.compiler.is_compiling():  # the same map (D >= 0 or NaN): inductor vectorises the comparison
-        return torch.where(ops.float() >= 0, ops.float(), math.inf)
-    return torch.nan_to_num(ops.float(), nan=math.inf, posinf=math.inf, out=out)
+    """Precomputed D (>= 0 or NaN) in float32 with NaN read as inf."""
+    return _nonfinite_to_inf(ops.float(), out=out)
+
+
+def _nonfinite_to_inf(x: Tensor, out: Tensor | None = None) -> Tensor:
+    """NaN, -inf and +inf -> +inf. Under torch.compile written as a comparison (false for NaN and -inf), which
+    inductor vectorises, where it does not vectorise isnan; eagerly one nan_to_num into ``out``."""
+    if torch.compiler.is_compiling():
+        return torch.where(x > -math.inf, x, math.inf)
+    return torch.nan_to_num(x, nan=math.inf, posinf=math.inf, neginf=math.inf, out=out)
 
 
 def two_stage_verify(
@@ -246,13 +248,13 @@ def _compiled_row_sums(ops: _Source, m: int, row_sums: Tensor) -> int:
     when compiling failed (no C++ compiler, say: a warning names why, and the eager blocks sum every row).
     Compiling takes seconds once per process, hence only for batches above FUSED_MIN_TOKENS."""
     fn = ops.fn
-    kernel = _COMPILED.get(fn, ...)
-    if kernel is ...:
+    if fn not in _COMPILED:
 
         def sums(*inputs: Tensor) -> Tensor:
             return fn(*inputs).view(-1, ROW).sum(1)
 
-        kernel = _COMPILED[fn] = torch.compile(sums, dynamic=True)
+        _COMPILED[fn] = torch.compile(sums, dynamic=True)
+    kernel = _COMPILED[fn]
     if kernel is None:
         return 0
     try:

@@ -291,7 +291,7 @@ def test_compiled_row_sums_fall_back_to_the_eager_blocks_with_a_warning(monkeypa
         return run
 
     monkeypatch.setattr(verify, "_COMPILED", {})
-    monkeypatch.setattr(verify.torch, "compile", no_compiler)
+    monkeypatch.setattr(torch, "compile", no_compiler)
     old, new, versions, lengths = _large_batch(4)
     expect = reference_verify(old.tolist(), new.tolist(), versions.tolist(), lengths.tolist(), 0.01, 2.0)
     monkeypatch.setattr(verify, "FUSED_MIN_TOKENS", 0)

@@ -29,7 +29,7 @@ class LogprobOps:
     def __init__(self, server: ControlServer):
         self.server = server
         self.records = server.records
-        self._requests = 0  # calls so far: engine request ids are unique per call, never a generation's
+        self._calls = 0  # engine request ids carry it: unique per call, never a generation's
 
     def handlers(self) -> dict[str, Handler]:
         return {"compute_logprobs": self.compute_logprobs}
@@ -60,9 +60,9 @@ class LogprobOps:
                 {"rids": [r for r, _ in tempered[:100]]},
             )
         t0 = time.perf_counter()
-        self._requests += 1
+        self._calls += 1
         requests = [
-            PrefillRequest(f"{r.rid}#lp{self._requests}", np.concatenate([r.prompt, r.tokens]).tolist(), len(r.prompt))
+            PrefillRequest(f"{r.rid}#lp{self._calls}", np.concatenate([r.prompt, r.tokens]).tolist(), len(r.prompt))
             for r in targets
         ]
         async with self.server.engine_calls.call():
