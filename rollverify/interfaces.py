@@ -10,7 +10,7 @@ ZMQ frame, a process boundary or a checkpoint without conversion.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -64,8 +64,12 @@ class RolloutEngine(Protocol):
     def drop(self, response_ids: Iterable[str]) -> None:
         """Forget these responses entirely."""
 
-    def resume(self) -> None:
-        """Resubmit every cached live response from its kept prefix under the current weights."""
+    def resume(self, hold: Collection[str] = ()) -> None:
+        """Resubmit every cached live response from its kept prefix under the current weights, but those in
+        `hold`, which stay paused until `release`."""
+
+    def release(self, response_ids: Iterable[str]) -> None:
+        """Resubmit held responses (see `resume`) now: the engine is generating."""
 
     def update_weights(self, buckets: Iterator[list[tuple[str, object]]], version: int) -> None:
         """Load the new policy's HF-named tensors, bucket by bucket; later tokens record `version`."""
@@ -73,7 +77,7 @@ class RolloutEngine(Protocol):
     def compute_logprobs(self, responses: Sequence[Response]) -> list[np.ndarray | None]:
         """Log-probs (float32) of each tracked response's generated tokens under the current weights, in the
         semantics of those it sampled them with (`algo.verify_on: engine`); None for one whose server was lost
-        meanwhile. Nothing may be generating (pause first)."""
+        meanwhile. The responses must not be generating (paused or held); the others may."""
 
     def lost(self) -> list[str]:
         """Ids the engine stopped holding since the last call because their server was lost (what it generated

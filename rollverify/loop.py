@@ -17,7 +17,8 @@ For step k under policy version k:
    step, and every later step generates only what it trains.
 4. Resync: the new weights reach the engines, after the truncation decisions. With `algo.verify_on: engine`
    they reach them before step 3 instead, and the engines compute the new log-probs of the carried tokens
-   (prefilling what resuming needs anyway); the trainer then runs no verification forward.
+   (prefilling what resuming needs anyway) while they already generate the next step's new groups, the carried
+   responses held until they are verified and cut; the trainer then runs no verification forward.
 
 The loop owns the truth about every response (`RolloutBuffer`); the engine is a cache of it, so a crashed
 server costs only the tokens since the last pause. `Ledger.check` holds the accounting invariant after each
@@ -193,11 +194,7 @@ class Loop:
         launched_now = 0
         last_progress = time.monotonic()
         while True:
-            while self._room() and (phase is None or len(phase) < cfg.batch_groups):
-                group_id = self._launch_group()
-                if phase is not None:
-                    phase.append(group_id)
-                launched_now += 1
+            launched_now += self._fill(phase)
             done = self._record(self.engine.wait_finished(cfg.wait_s))
             resubmitted += self._resubmit_lost(phase)
             if done:
@@ -241,6 +238,16 @@ class Loop:
 
     def _room(self) -> bool:
         return self._num_live() + self.cfg.n <= self.cfg.max_live
+
+    def _fill(self, phase: list[int] | None) -> int:
+        """Launch new groups while the engines have room (in on_policy, until the phase has B); returns how many."""
+        launched = 0
+        while self._room() and (phase is None or len(phase) < self.cfg.batch_groups):
+            group_id = self._launch_group()
+            if phase is not None:
+                phase.append(group_id)
+            launched += 1
+        return launched
 
     def _launch_group(self) -> int:
         group = self.make_group(self.next_group_id)
@@ -310,7 +317,9 @@ class Loop:
 
         trainer: verify (the trainer computes the new log-probs), then the new weights reach the engines.
         engine: the new weights reach the engines first; they prefill the carried responses under them, which
-        resuming needs anyway, and return the log-probs; the cut prefixes then resume from their cached KV."""
+        resuming needs anyway, and return the log-probs; the cut prefixes then resume from their cached KV. The
+        wait for those log-probs is the resume's prefill, while the engines also generate the next step's new
+        groups (`_hold_and_fill`): it is logged as `logprob_wait_s`, outside verify_s."""
         engine_side = self.algo.verify_on == "engine"
         pushed: dict[str, float] = {}
         t0 = time.perf_counter()
@@ -323,7 +332,7 @@ class Loop:
             pushed = self.weights.push(self.version)
         t3 = time.perf_counter()
         metrics.update({SYNC_PREFIX + k: v for k, v in pushed.items()})
-        return metrics, t2 - t1, (t1 - t0) + (t3 - t2)
+        return metrics, t2 - t1 - metrics.get("logprob_wait_s", 0.0), (t1 - t0) + (t3 - t2)
 
     def verify(self) -> dict[str, Any]:
         """Verify and cut the carried-over responses; returns the step's verification metrics."""
@@ -333,9 +342,15 @@ class Loop:
             return {**stats, "ops_mean": float("nan"), "acceptance_rate": float("nan"), "kept_whole_rate": float("nan"),
                 "switched": False}
         new_lp = None
+        unverified: list[str] | None = None  # engine mode: the carried responses held while the engines run
         if self.strategy.needs_new_logprobs or self.cfg.monitor_ops:
+            t0 = time.perf_counter()
+            if self.algo.verify_on == "engine" and self.paused and self.strategy.carries_over:
+                unverified, stats["n_launched_while_verifying"] = self._hold_and_fill(carried)
             new_lp, on_engine = self._new_logprobs(carried)
             stats["n_logprobs_on_engine"] = on_engine
+            if self.algo.verify_on == "engine":
+                stats["logprob_wait_s"] = time.perf_counter() - t0
         outcome = self.strategy.apply(carried, new_lp, self.version)
         cut = self.buffer.apply_truncation(outcome.decisions)
         self.ledger.restarted += int(sum(1 for k in outcome.keep_lengths if k == 0))
@@ -351,10 +366,12 @@ class Loop:
             self.engine.drop(sorted(held & self.on_engine))
             self.on_engine.difference_update(held)
         if cuts:
-            if not self.paused:  # on_policy: cut responses must not relaunch before the weights move
+            if not self.paused and unverified is None:  # on_policy: cuts must not relaunch before the weights move
                 self._record(self.engine.pause())
                 self.paused = True
             self.engine.truncate(cuts)
+        if unverified:
+            self.engine.release([rid for rid in unverified if rid in self.on_engine])
         s = outcome.stats
         return {
             **stats,
@@ -370,6 +387,18 @@ class Loop:
             "switched": bool(outcome.switched),
             **({"switch_reason": outcome.switch_reason} if outcome.switched else {}),
         }
+
+    def _hold_and_fill(self, carried: list[Response]) -> tuple[list[str], int]:
+        """With `verify_on: engine` after a carry-over phase (the engines paused, the new weights theirs): the
+        engines resume with the unfinished carried responses held (paused until verified and cut, then
+        `release`d) and the next step's new groups launch into the room, so that the engines generate them while
+        they prefill the carried ones. Returns (the held ids, groups launched). A finished carried response the
+        verification cuts becomes live again: until the next finish the engines may then hold up to that many
+        more than `max_live` (SGLang queues what its `max_running_requests` does not take)."""
+        unverified = [r.response_id for r in carried if r.response_id in self.on_engine and not r.finished]
+        self.engine.resume(hold=unverified)
+        self.paused = False
+        return unverified, self._fill(None)
 
     def _new_logprobs(self, carried: list[Response]) -> tuple[list[np.ndarray], int]:
         """Log-probs of the carried tokens under the new policy, and how many responses the engines computed.

@@ -206,8 +206,11 @@ class ServerConnection:
         msg.body["client_decode_s"] = time.perf_counter() - t0
         return batch, msg.body
 
-    async def resume(self) -> dict:
-        return (await self.call("resume")).body
+    async def resume(self, hold: Sequence[str] = (), rids: Sequence[str] | None = None) -> dict:
+        """Resume the paused server, every paused response but `hold` launching; or, with `rids`, launch
+        those held responses of the running server."""
+        body: dict[str, Any] = {"rids": list(rids)} if rids is not None else {"hold": list(hold)} if hold else {}
+        return (await self.call("resume", body)).body
 
     async def truncate(self, keep: dict[str, int]) -> dict:
         return (await self.call("truncate", {"keep": {k: int(v) for k, v in keep.items()}})).body

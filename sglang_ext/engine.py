@@ -253,6 +253,7 @@ class GenResult:
     finish_type: str  # stop | length | abort | error
     matched_stop: int | None = None
     error: str | None = None
+    cached_tokens: int = 0  # input tokens SGLang found in its prefix (radix) cache rather than prefilled
 
 
 class EngineHandle:
@@ -417,7 +418,8 @@ class EngineHandle:
         err = None
         if ftype == "abort" and isinstance(fr, dict) and fr.get("status_code"):
             ftype, err = "error", str(fr.get("message"))
-        return GenResult(ids, logprobs, routes, ftype, matched if isinstance(matched, int) else None, err)
+        return GenResult(ids, logprobs, routes, ftype, matched if isinstance(matched, int) else None, err,
+                         int(meta.get("cached_tokens") or 0))
 
     async def input_logprobs(self, requests: Sequence[PrefillRequest]) -> list[np.ndarray]:
         """Log-probs (float32) of each request's `input_ids[start:]` under the served weights, each at the

@@ -434,7 +434,17 @@ class PauseBody(_Body):
 
 
 class ResumeBody(_Body):
-    pass
+    """No ids: the server resumes and relaunches every paused response but those in `hold`, which stay paused.
+    `rids`: the server is running; these paused (held) responses launch."""
+
+    hold: list[Rid] = Field(default_factory=list, max_length=MAX_ITEMS)
+    rids: list[Rid] | None = Field(default=None, min_length=1, max_length=MAX_ITEMS)
+
+    @model_validator(mode="after")
+    def _one_of(self) -> ResumeBody:
+        if self.hold and self.rids is not None:
+            raise ValueError("resume takes `hold` (resume the server) or `rids` (launch held responses), not both")
+        return self
 
 
 class TruncateBody(_Body):

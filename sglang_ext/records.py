@@ -103,6 +103,8 @@ class Records:
         self.table: dict[str, Record] = {}
         self.events = EventQueue()
         self.tokens_generated = 0
+        self.tokens_launched = 0  # input tokens (prompt + kept prefix) of every engine request a launch made
+        self.tokens_prefix_cached = 0  # of those, the ones SGLang's prefix cache held (no prefill)
         self.engine_calls = engine_calls
         self._spawn = spawn
         self.route_shape: RouteShape | None = None
@@ -165,6 +167,7 @@ class Records:
         sampling = dict(rec.sampling_args)
         sampling["max_new_tokens"] = rec.remaining
         input_ids = np.concatenate([rec.prompt, rec.tokens]).tolist()
+        self.tokens_launched += len(input_ids)
         self.engine_calls.count(+1)
         rec.task = self._spawn(self._generate(rec, rec.engine_rid(), input_ids, sampling, routes_start))
         rec.state = State.RUNNING
@@ -197,6 +200,7 @@ class Records:
         m = len(res.output_ids)
         rec.append(res.output_ids, res.logprobs, rec.launch_version, self._generated_routes(rec, res, routes_start))
         self.tokens_generated += m
+        self.tokens_prefix_cached += res.cached_tokens
         if res.finish_type == "abort" and self.paused:
             rec.state = State.PAUSED
         elif res.finish_type in ("stop", "length"):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Coroutine, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -145,13 +145,26 @@ class SGLangRolloutEngine:
             s.rids.discard(rid)
         self._settle(self.pool.fan({s: s.conn.drop(r) for s, r in plan.items() if s.alive}))
 
-    def resume(self) -> None:
+    def resume(self, hold: Collection[str] = ()) -> None:
         self._check_servers()
         if self.paused:
-            results = self.pool.fan({s: s.conn.resume() for s in self.pool.alive() if s.paused})
+            held = set(hold)
+            results = self.pool.fan(
+                {s: s.conn.resume(hold=sorted(s.rids & held)) for s in self.pool.alive() if s.paused}
+            )
             for s in self._settle(results):
                 s.paused = False
             self.paused = False
+
+    def release(self, response_ids: Iterable[str]) -> None:
+        """Launch held responses (kept paused by `resume(hold=...)`) on their running servers."""
+        self._check_servers()
+        plan: dict[ServerSlot, list[str]] = {}
+        for rid in response_ids:
+            s = self._holder(rid)
+            if s is not None:
+                plan.setdefault(s, []).append(rid)
+        self._settle(self.pool.fan({s: s.conn.resume(rids=rids) for s, rids in plan.items()}))
 
     def update_weights(self, buckets: Iterator[list[tuple[str, Any]]], version: int) -> None:
         self._check_servers()
@@ -166,7 +179,8 @@ class SGLangRolloutEngine:
 
     def compute_logprobs(self, responses: Sequence[Response]) -> list[np.ndarray | None]:
         """Each response's log-probs under the weights the servers serve now, computed by the server that holds
-        it (`compute_logprobs` in docs/protocol.md); None for a response whose server was lost."""
+        it (`compute_logprobs` in docs/protocol.md) while the others generate; None for a response whose server
+        was lost."""
         self._check_servers()
         plan: dict[ServerSlot, list[str]] = {}
         for r in responses:

@@ -24,13 +24,14 @@ class ScriptedEngine:
     """Each response has a fixed target length (long-tailed); every poll advances live responses by `speed`.
 
     Like the real extension it tracks a response until it is dropped: truncating a finished one makes it live
-    again and `resume` relaunches it."""
+    again and `resume` relaunches it; a held one (`resume(hold=...)`) waits for `release`."""
 
     def __init__(self, seed: int = 0, speed: int = 4):
         self.rng = np.random.default_rng(seed)
         self.speed = speed
         self.tracked: dict[str, dict] = {}  # rid -> {"target", "len", "new" tokens since last report, ...}
         self.paused = False
+        self.held: set[str] = set()
         self.version = 0
         self.updates = []
         self.lost_ids: list[str] = []  # forgotten as a lost server would be, handed out by lost()
@@ -48,7 +49,7 @@ class ScriptedEngine:
 
     @property
     def live(self):
-        return [rid for rid, st in self.tracked.items() if not st["done"]]
+        return [rid for rid, st in self.tracked.items() if not st["done"] and rid not in self.held]
 
     def _chunk(self, rid, reason):
         st = self.tracked[rid]
@@ -78,7 +79,7 @@ class ScriptedEngine:
     def truncate(self, keep):
         for rid, k in keep.items():
             st = self.tracked[rid]
-            assert self.paused, f"truncate of {rid} while the engine generates: it would relaunch at once"
+            assert self.paused or rid in self.held or st["done"], f"truncate of {rid} while it generates"
             assert k < st["len"], f"no-op truncation of {rid} sent"
             st["len"], st["done"] = k, False
             st["target"] = k + self._target(st["budget"] - k)
@@ -86,9 +87,16 @@ class ScriptedEngine:
     def drop(self, rids):
         for rid in rids:
             del self.tracked[rid]
+            self.held.discard(rid)
 
-    def resume(self):
+    def resume(self, hold=()):
+        assert not self.held, "resume while responses are held"
         self.paused = False
+        self.held = set(hold)
+
+    def release(self, rids):
+        assert not self.paused and set(rids) <= self.held, "release of responses not held"
+        self.held -= set(rids)
 
     def update_weights(self, buckets, version):
         list(buckets)

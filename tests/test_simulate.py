@@ -89,9 +89,9 @@ def test_engine_side_verification_prefills_instead_of_a_trainer_forward():
     on_engine = simulate("rollverify", 16384, replace(tail, algo=replace(tail.algo, verify_on="engine")))
     assert on_trainer.verify_on == "trainer" and on_engine.verify_on == "engine"
     assert on_trainer.phase_s["verify"] > 0 and "verify_prefill" not in on_trainer.phase_s
-    assert "verify" not in on_engine.phase_s and on_engine.phase_s["verify_prefill"] > 0  # no trainer forward
+    assert "verify" not in on_engine.phase_s and "verify_prefill" not in on_engine.phase_s  # no forward, no stop
     assert 0 < on_engine.acceptance_mean < 1 and on_engine.cut_fraction > 0  # the real verification cuts from it
-    assert 0 < on_engine.verify_share < on_trainer.verify_share
+    assert on_engine.verify_share == 0 < on_trainer.verify_share
 
 
 def test_engine_logprobs_are_the_trainers_and_the_resumed_prefix_reuses_their_prefill():
@@ -108,13 +108,13 @@ def test_engine_logprobs_are_the_trainers_and_the_resumed_prefix_reuses_their_pr
     assert all(r.num_tokens > 2 for r in responses)
     engine.update_weights(iter([]), 1)
     trainer.version = 1
-    prefill_before = engine.prefill_s
+    prefill_before, now = engine.prefill_s, clock.now
     new = engine.compute_logprobs(responses)
     for got, want in zip(new, trainer.compute_logprobs(responses, 1.0), strict=True):
         np.testing.assert_array_equal(got, want)
     total = sum(cost.prefill(256 + r.num_tokens * workload.token_unit) for r in responses)
-    assert engine.verify_prefill_s == pytest.approx(total)
-    assert total / 2 * (1 - 1e-9) <= clock.spent["verify_prefill"] < total  # two servers prefill in parallel
+    assert engine.verify_prefill_s == pytest.approx(total) == -engine.credit.sum()  # owed by the servers
+    assert total / 2 * (1 - 1e-9) <= -engine.credit.min() < total and clock.now == now  # in parallel, no stop
     engine.truncate({responses[0].response_id: responses[0].num_tokens // 2})
     engine.resume()  # the kept prefixes are in the servers' KV cache: nothing prefills again
     assert engine.prefill_s == prefill_before
@@ -158,3 +158,31 @@ def test_paper_comparison_reports_the_error_against_table_7():
     assert row["paper_ratio"] == pytest.approx(57.5 / 98.1)
     assert row["ratio_error"] == pytest.approx(0.5 / (57.5 / 98.1) - 1)
     assert row["within_15pct"] is True and math.isclose(row["rollverify_ratio"], 0.5)
+
+
+def test_an_idle_server_pays_off_the_prefill_it_owes_as_time_passes():
+    """compute_logprobs' prefill is server time owed: a server with nothing running pays it off as the clock
+    moves (the other server's decode moves it), rather than having it forgiven or stopping the clock."""
+    cost, workload, drift = CostModel(ModelSpec(), ClusterSpec(gpus=2)), Workload(token_unit=64), DriftModel(sigma=0.05)
+    clock = SimClock()
+    engine = SimEngine(cost, workload, clock, drift=drift, total_steps=4)
+    assert engine.servers == 2
+    responses = Group.new(0, np.zeros(256, np.int32), 3, workload.max_units).responses
+    engine.submit(responses, SamplingParams())
+    engine._step(limit=5.0)
+    for chunk in engine.pause():
+        next(r for r in responses if r.response_id == chunk.response_id).append(
+            chunk.token_ids, chunk.logprobs, chunk.versions)
+    engine.update_weights(iter([]), 1)
+    runs, held = responses[0], responses[1:]
+    engine.resume(hold=[r.response_id for r in held])  # one response runs, on server 0
+    assert engine.srv[engine.tracked[runs.response_id].slot] == 0
+    engine.compute_logprobs(held)  # one prefill owed by each server
+    owed = -engine.credit.copy()
+    assert owed[1] > 0 and not engine.active[engine.srv == 1].any()
+    now = clock.now
+    engine._step(limit=owed[1] / 4)
+    assert clock.now - now == pytest.approx(owed[1] / 4)
+    assert -engine.credit[1] == pytest.approx(owed[1] * 3 / 4)  # paid off in part while idle, not forgiven
+    engine.release([r.response_id for r in held])
+    assert engine.credit[1] == pytest.approx(-owed[1] * 3 / 4)  # their prefixes are cached: nothing more to prefill

@@ -11,9 +11,11 @@ import json
 import pytest
 from engine_fixtures import SMALL_RUN
 
+from rollverify.buffer import RolloutBuffer
 from rollverify.cli import main as cli_main
 from rollverify.config import load_config
 from rollverify.train import resolve_model, train
+from rollverify.types import Group
 
 pytestmark = [pytest.mark.engine, pytest.mark.megatron]
 
@@ -92,6 +94,82 @@ def test_config_errors_stop_before_anything_starts(tmp_path, capsys):
     assert rc == 2 and "algo.mode" in capsys.readouterr().err
 
 
+def test_resumed_prefixes_reuse_the_kv_of_the_engine_side_log_probs(server):
+    """A weight update empties SGLang's prefix cache, so a response resumed after it prefills prompt + kept prefix
+    again. After the engine-side log-probs (compute_logprobs) their KV is cached: a response cut to any prefix
+    prefills only its last input token, also when it was held while another response generated (the loop's
+    path). The counts are SGLang's own (`cached_tokens`, summed in the server's stats)."""
+    import glob
+
+    from safetensors.torch import load_file
+
+    from sglang_ext.protocol import WireSamplingParams
+    from sglang_ext.rollout_engine import SGLangRolloutEngine
+
+    weights = [kv for f in sorted(glob.glob(f"{resolve_model(load_config(None, SMALL))}/*.safetensors"))
+               for kv in load_file(f).items()]
+    sampling = WireSamplingParams(ignore_eos=True)
+
+    buffer = RolloutBuffer()
+
+    def finish(engine, ids) -> None:
+        while not all(buffer.get(rid).finished for rid in ids):
+            for c in engine.wait_finished(1.0):
+                buffer.record(c.response_id, c.token_ids, c.logprobs, c.versions, None, finish_reason=c.finish_reason,
+                              offset=c.offset)
+
+    with SGLangRolloutEngine([server.endpoint], poll_wait_s=0.1) as engine:
+        engine.reset()
+
+        def cycle(version: int, how: str) -> tuple[int, int, int]:
+            """Generate, pause, update the weights, cut each response to half and resume it: the input tokens
+            launched by the resume and how many SGLang found cached, and the number of responses."""
+            for g in range(3):
+                buffer.add_group(Group.new(10 * version + g, list(range(3 + 7 * g, 28 + 7 * g)), 1, 12))
+            responses = [buffer.get(f"{10 * version + g}-0") for g in range(3)]
+            ids = [r.response_id for r in responses]
+            engine.submit(responses, sampling)
+            finish(engine, ids)
+            engine.pause()
+            if how == "held":  # carried responses are unfinished: cut the finished ones, which leaves them paused
+                trim = {r.response_id: r.num_tokens - 2 for r in responses}
+                buffer.apply_truncation(trim)
+                engine.truncate(trim)
+            engine.update_weights(iter([weights]), version)
+            keep = {r.response_id: r.num_tokens // 2 for r in responses}
+            before = engine.stats()[0]
+            if how == "plain":
+                buffer.apply_truncation(keep)
+                engine.truncate(keep)
+                engine.resume()
+            elif how == "logprobs":
+                engine.compute_logprobs(responses)
+                buffer.apply_truncation(keep)
+                engine.truncate(keep)
+                engine.resume()
+            else:  # held: the server runs another response meanwhile
+                engine.resume(hold=ids)
+                buffer.add_group(Group.new(10 * version + 9, list(range(90, 110)), 1, 12))
+                engine.submit(buffer.groups[10 * version + 9].responses, sampling)
+                engine.compute_logprobs(responses)
+                buffer.apply_truncation(keep)
+                engine.truncate(keep)
+                engine.release(ids)
+                ids = [*ids, f"{10 * version + 9}-0"]
+            finish(engine, ids)
+            after = engine.stats()[0]
+            engine.drop(ids)
+            launched = after["tokens_launched"] - before["tokens_launched"] - (20 if how == "held" else 0)
+            assert launched == sum(25 + k for k in keep.values())  # prompt + kept prefix each
+            return launched, after["tokens_prefix_cached"] - before["tokens_prefix_cached"], len(keep)
+
+        assert cycle(1, "plain")[1] == 0  # the update flushed the cache: everything prefilled again
+        launched, cached, n = cycle(2, "logprobs")
+        assert cached == launched - n  # all but each response's last input token
+        launched, cached, n = cycle(3, "held")
+        assert cached == launched - n  # the other response's prompt shares nothing with them
+
+
 def test_engine_side_verification_matches_the_trainer_with_exact_accounting(server, tmp_path, monkeypatch):
     """algo.verify_on: engine on the real server and trainer (float32): three steps with the exact ledger, every
     carried response's new log-probs from the engine and none from the trainer; then, on the buffer the last step
@@ -127,6 +205,8 @@ def test_engine_side_verification_matches_the_trainer_with_exact_accounting(serv
         assert sum(r["n_carried"] for r in rows) > 0 and forwards == []
         assert all(r["n_logprobs_on_engine"] == r["n_carried"] for r in rows if r["n_carried"])
 
+        assert sum(r["n_launched_while_verifying"] for r in rows if r["n_carried"]) > 0  # overlapped the prefill
+        run_.loop.rollout()  # one more phase, ending paused: the carried responses wait, under version 3
         carried = run_.loop.buffer.carried_over()
         assert sum(r.num_tokens for r in carried) > 0
         on_engine = run_.engine.compute_logprobs(carried)

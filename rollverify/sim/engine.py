@@ -16,7 +16,7 @@ arrays small; every duration is computed on real tokens.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -141,7 +141,7 @@ class SimEngine:
         self.tracked: dict[str, _Tracked] = {}
         self.credit = np.zeros(self.servers)  # seconds a server has already spent towards its next iteration
         self.prefill_s = 0.0  # server-seconds of prefill on admission
-        self.verify_prefill_s = 0.0  # server-seconds of compute_logprobs' prefill
+        self.verify_prefill_s = 0.0  # server-seconds of compute_logprobs' prefill (owed like an admission's)
         self.decode_iterations = 0.0  # server-iterations (real tokens of the longest running sequence)
         self._cap = 0
         self._grow(1024)
@@ -205,7 +205,8 @@ class SimEngine:
         k = _units_within(alpha, beta, avail)
         k = np.where(need <= dt, m, np.clip(k, 0, np.maximum(m - 1, 0)))  # those defining dt finish exactly
         k = np.where(busy, k, 0)
-        self.credit = np.where(busy, avail - (k * alpha + beta * k * (k - 1) / 2), 0.0)
+        # an idle server pays off prefill it owes as time passes, and banks no idle time
+        self.credit = np.where(busy, avail - (k * alpha + beta * k * (k - 1) / 2), np.minimum(avail, 0.0))
         ki = k.astype(np.int64)
         self.rem[act] -= ki[srv]
         self.ctx[act] += ki[srv] * u
@@ -271,11 +272,17 @@ class SimEngine:
             if t.slot >= 0:
                 self._release(t)
 
-    def resume(self) -> None:
+    def resume(self, hold: Collection[str] = ()) -> None:
         self.paused = False
         for rid, t in self.tracked.items():
-            if not t.done and t.slot < 0:
+            if not t.done and t.slot < 0 and rid not in hold:
                 self._admit(rid, t)  # prompt + kept tokens prefill again under the new weights
+
+    def release(self, response_ids: Iterable[str]) -> None:
+        for rid in response_ids:
+            t = self.tracked[rid]
+            if not t.done and t.slot < 0:
+                self._admit(rid, t)
 
     def update_weights(self, buckets: Iterator[list[tuple[str, object]]], version: int) -> None:
         for _ in buckets:
@@ -287,21 +294,22 @@ class SimEngine:
 
     def compute_logprobs(self, responses: Sequence[Response]) -> list[np.ndarray | None]:
         """Prefill prompt + generated tokens of each response under the current weights and return their
-        log-probs (`DriftModel`'s, as the trainer's). The servers prefill in parallel, each response on the one
-        with the least prefill so far; the clock advances by the busiest server's share, in phase
-        ``verify_prefill``. The KV stays cached on that server: resuming a kept prefix prefills nothing again."""
+        log-probs (`DriftModel`'s, as the trainer's). Each response prefills on the server with the least of this
+        call's prefill so far, as server time owed like an admission's (`credit`): the server's running sequences
+        wait for it, the others' do not, and the clock does not stop (the real engines run the step's new groups
+        meanwhile). The KV stays cached on that server: resuming a kept prefix prefills nothing again."""
         if self.drift is None:
             raise RuntimeError("this SimEngine has no DriftModel: construct it with drift= to compute log-probs")
         busy = np.zeros(self.servers)
         for r in responses:
             t = self.tracked[r.response_id]
             if t.slot >= 0:
-                raise RuntimeError(f"compute_logprobs of {r.response_id} while it runs: pause the engine first")
+                raise RuntimeError(f"compute_logprobs of {r.response_id} while it runs: pause or hold it first")
             server = int(np.argmin(busy))
             t.cache_server, t.cached = server, t.prompt + r.num_tokens * self.unit
             busy[server] += self.cost.prefill(t.cached)
+        self.credit -= busy
         self.verify_prefill_s += float(busy.sum())
-        self.clock.advance(float(busy.max(initial=0.0)), "verify_prefill")
         progress = self.version / self.total_steps
         return [self.drift.new_logprobs(self.seed, r, self.version, progress, self.unit) for r in responses]
 

@@ -26,8 +26,8 @@ PAPER_TABLE7 = {8192: (16.6, 15.1), 32768: (98.1, 57.5), 65536: (261.0, 137.0)}
 SECONDS_PER_DAY = 86400.0
 VERIFY_WHERE = {
     "trainer": "verification on the trainer: a 2N-per-token forward over the carried responses",
-    "engine": "verification on the engines: they prefill the carried responses under the new weights (no trainer "
-              "forward) and the resumed prefixes reuse that KV",
+    "engine": "verification on the engines: they prefill the carried responses under the new weights while the new "
+              "groups run (no trainer forward) and the resumed prefixes reuse that KV",
 }
 
 
@@ -62,8 +62,8 @@ class RunResult:
     acceptance_mean: float
     acceptance_by_step: list[float]
     switched_at: int | None
-    prefill_share: float  # of the rollout server-time
-    verify_share: float  # of the step: the trainer's verification forward, or the engines' verification prefill
+    prefill_share: float  # of the rollout server-time: admissions' and (engine) the verification's prefill
+    verify_share: float  # of the step: the trainer's verification forward (engine: none, its prefill is rollout)
     on_policy_longest_share: float  # on_policy: rollout time / time to decode the longest response alone
 
     def row(self) -> dict:
@@ -119,8 +119,8 @@ def simulate(mode: str, context: int, cfg: SimConfig) -> RunResult:
         acceptance_mean=float(np.mean(accept)) if accept else math.nan,
         acceptance_by_step=[round(a, 4) for a in accept],
         switched_at=switched_at,
-        prefill_share=engine.prefill_s / rollout_server_s if rollout_server_s else 0.0,
-        verify_share=(clock.spent.get("verify", 0.0) + clock.spent.get("verify_prefill", 0.0)) / clock.now,
+        prefill_share=(engine.prefill_s + engine.verify_prefill_s) / rollout_server_s if rollout_server_s else 0.0,
+        verify_share=clock.spent.get("verify", 0.0) / clock.now,
         on_policy_longest_share=float(np.mean(longest)) if longest else math.nan,
     )
 

@@ -39,6 +39,8 @@ class AdminOps:
             "paused_responses": counts["paused"],
             "finished": counts["finished"],
             "tokens_generated": recs.tokens_generated,
+            "tokens_launched": recs.tokens_launched,
+            "tokens_prefix_cached": recs.tokens_prefix_cached,
             "tokens_cached": cached,
             "events_pending": len(recs.events),
             "last_seq": recs.events.last_seq,

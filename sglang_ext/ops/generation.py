@@ -20,7 +20,7 @@ from sglang_ext.protocol import (
     TruncateBody,
     encode_outputs,
 )
-from sglang_ext.store import State, pack_deltas
+from sglang_ext.store import Record, State, pack_deltas
 
 if TYPE_CHECKING:
     from sglang_ext.server import ControlServer
@@ -82,14 +82,27 @@ class GenerationOps:
         return out, arrays, None
 
     async def resume(self, body: ResumeBody, msg: Message) -> Reply:
-        """Relaunch every paused response under the current weights."""
+        """Relaunch every paused response under the current weights but those held; with `rids`, launch held
+        ones on the running server. All-or-nothing: every check passes before anything launches."""
         recs = self.records
-        if not recs.paused:
-            raise ProtocolError(ErrorCode.NOT_PAUSED, "the server is not paused; nothing to resume")
-        recs.require_whole_weights("resume")
         t0 = time.perf_counter()
-        recs.paused = False
-        live = recs.in_state(State.PAUSED)
+        if body.rids is not None:
+            if recs.paused:
+                raise ProtocolError(
+                    ErrorCode.INVALID, "resume with rids launches held responses of a running server, but the "
+                    "server is paused: resume it first (nothing was changed)",
+                )
+            live = recs.lookup(body.rids)
+            _require_paused(live, "resume rids")
+            recs.require_whole_weights("resume")
+        else:
+            if not recs.paused:
+                raise ProtocolError(ErrorCode.NOT_PAUSED, "the server is not paused; nothing to resume")
+            recs.require_whole_weights("resume")
+            _require_paused(recs.lookup(body.hold), "resume hold")
+            held = set(body.hold)
+            recs.paused = False
+            live = [r for r in recs.in_state(State.PAUSED) if r.rid not in held]
         for rec in live:
             recs.launch(rec)
         return {"resumed": len(live), "version": recs.version, "server_s": time.perf_counter() - t0}, None, None
@@ -152,3 +165,14 @@ class GenerationOps:
         out["prompt_lens"] = [len(r.prompt) for r in targets]
         out["max_new_tokens"] = [r.max_new_tokens for r in targets]
         return out, arrays, None
+
+
+def _require_paused(records: list[Record], what: str) -> None:
+    """Every record is paused (not generating, not finished), or INVALID naming those that are not."""
+    bad = [(r.rid, r.state.value) for r in records if r.state is not State.PAUSED]
+    if bad:
+        raise ProtocolError(
+            ErrorCode.INVALID,
+            f"{what} names response(s) that are not paused: {bad[:10]} ({len(bad)}); nothing was changed",
+            {"rids": [rid for rid, _ in bad[:100]]},
+        )

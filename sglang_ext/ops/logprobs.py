@@ -1,7 +1,7 @@
 """Log-prob op: compute_logprobs, the engine side of verification (`algo.verify_on: engine`).
 
 After a weight update, the controller asks for the log-probs of the responses it carries over under the new
-weights. Each response is prefilled (prompt + its cached tokens, nothing sampled) and the log-probs of its tokens
+weights, while they wait (paused, or held while the rest of the server generates). Each response is prefilled (prompt + its cached tokens, nothing sampled) and the log-probs of its tokens
 come back; its KV stays in SGLang's prefix cache, so resuming it from any kept prefix prefills only what follows
 (the weight update flushed the cache, so that prefill is the one resuming needs anyway). It changes no response.
 """
@@ -17,6 +17,7 @@ import numpy as np
 from sglang_ext.dispatch import Handler, Reply
 from sglang_ext.engine import PrefillRequest
 from sglang_ext.protocol import ComputeLogprobsBody, ErrorCode, Message, ProtocolError
+from sglang_ext.store import State
 
 if TYPE_CHECKING:
     from sglang_ext.server import ControlServer
@@ -37,7 +38,6 @@ class LogprobOps:
     async def compute_logprobs(self, body: ComputeLogprobsBody, msg: Message) -> Reply:
         """Log-probs of every token of each named response under the served weights (docs/protocol.md)."""
         recs = self.records
-        recs.require_idle("compute_logprobs")
         recs.require_whole_weights("compute_logprobs")
         if body.expect_version is not None and body.expect_version != recs.version:
             raise ProtocolError(
@@ -49,6 +49,14 @@ class LogprobOps:
             dup = sorted(r for r, n in Counter(body.rids).items() if n > 1)
             raise ProtocolError(ErrorCode.INVALID, f"compute_logprobs names response(s) {dup[:10]} more than once")
         targets = recs.lookup(body.rids)
+        running = [r.rid for r in targets if r.state is State.RUNNING]
+        if running:
+            raise ProtocolError(
+                ErrorCode.RESPONSE_RUNNING,
+                f"compute_logprobs of response(s) {running[:10]} ({len(running)}) while they generate: pause or hold "
+                "them first (nothing was computed)",
+                {"rids": running[:100]},
+            )
         tempered = [(r.rid, r.sampling.temperature) for r in targets if r.sampling.temperature not in UNTEMPERED]
         if tempered:
             rid, t = tempered[0]
