@@ -462,7 +462,7 @@ class EngineHandle:
         finally:
             await gen.aclose()
         for i, answer in zip(todo, answers, strict=True):
-            out[i] = _input_logprobs(requests[i], answer["meta_info"])
+            out[i] = _input_logprobs(requests[i], answer["meta_info"], self.info.vocab_size)
         return out
 
     def abort_all(self) -> None:
@@ -618,16 +618,25 @@ class PrefillRequest:
     start: int
 
 
-def _input_logprobs(req: PrefillRequest, meta: dict) -> np.ndarray:
-    """The log-probs of `req.input_ids[req.start:]` from SGLang's answer, checked token by token."""
+def _input_logprobs(req: PrefillRequest, meta: dict, vocab_size: int) -> np.ndarray:
+    """The log-probs of `req.input_ids[req.start:]` from SGLang's answer, checked token by token.
+
+    SGLang 0.5.23 reports an input token id >= vocab_size - 1 as 0 (`logprob_result_processor.py` clips what
+    would be an image's padded hash); its log-prob is that token's, so such an entry checks against 0."""
     fr = meta.get("finish_reason") or {}
     if isinstance(fr, dict) and fr.get("type") == "abort":
         raise RuntimeError(f"SGLang aborted the log-prob request {req.rid}: {fr.get('message')}")
     entries = (meta.get("input_token_logprobs") or [])[1:]
-    want = req.input_ids[req.start :]
-    if len(entries) != len(want) or any(e[1] != t for e, t in zip(entries, want, strict=False)):
+    want = [t if t < vocab_size - 1 else 0 for t in req.input_ids[req.start :]]
+    wrong = next((j for j, (e, t) in enumerate(zip(entries, want, strict=False)) if e[1] != t), None)
+    if len(entries) != len(want) or wrong is not None:
+        where = "" if wrong is None else (
+            f"; entry {wrong} is token {entries[wrong][1]} where {want[wrong]} was asked "
+            f"(ids around it: {[e[1] for e in entries[max(0, wrong - 3):wrong + 3]]} against "
+            f"{want[max(0, wrong - 3):wrong + 3]})"
+        )
         raise RuntimeError(
             f"SGLang returned {len(entries)} input log-probs for request {req.rid}, not those of the {len(want)} "
-            f"tokens asked for"
+            f"tokens asked for (input {len(req.input_ids)} tokens from {req.start}){where}"
         )
     return np.fromiter((e[0] for e in entries), dtype=np.float32, count=len(entries))

@@ -94,20 +94,25 @@ def test_config_errors_stop_before_anything_starts(tmp_path, capsys):
     assert rc == 2 and "algo.mode" in capsys.readouterr().err
 
 
+def _served_weights() -> list:
+    """The served checkpoint's tensors, (HF name, tensor): a weight update with them changes only the version."""
+    import glob
+
+    from safetensors.torch import load_file
+
+    folder = resolve_model(load_config(None, SMALL))
+    return [kv for f in sorted(glob.glob(f"{folder}/*.safetensors")) for kv in load_file(f).items()]
+
+
 def test_resumed_prefixes_reuse_the_kv_of_the_engine_side_log_probs(server):
     """A weight update empties SGLang's prefix cache, so a response resumed after it prefills prompt + kept prefix
     again. After the engine-side log-probs (compute_logprobs) their KV is cached: a response cut to any prefix
     prefills only its last input token, also when it was held while another response generated (the loop's
     path). The counts are SGLang's own (`cached_tokens`, summed in the server's stats)."""
-    import glob
-
-    from safetensors.torch import load_file
-
     from sglang_ext.protocol import WireSamplingParams
     from sglang_ext.rollout_engine import SGLangRolloutEngine
 
-    weights = [kv for f in sorted(glob.glob(f"{resolve_model(load_config(None, SMALL))}/*.safetensors"))
-               for kv in load_file(f).items()]
+    weights = _served_weights()
     sampling = WireSamplingParams(ignore_eos=True)
 
     buffer = RolloutBuffer()
@@ -168,6 +173,32 @@ def test_resumed_prefixes_reuse_the_kv_of_the_engine_side_log_probs(server):
         assert cached == launched - n  # all but each response's last input token
         launched, cached, n = cycle(3, "held")
         assert cached == launched - n  # the other response's prompt shares nothing with them
+
+
+def test_engine_log_probs_of_the_last_vocabulary_id(server):
+    """SGLang reports the input token id vocab_size - 1 as 0 in its input log-probs; a response holding that id
+    gets its log-probs all the same, and they are its own, not token 0's at the same position."""
+    import numpy as np
+
+    from sglang_ext.protocol import WireSamplingParams
+    from sglang_ext.rollout_engine import SGLangRolloutEngine
+
+    with SGLangRolloutEngine([server.endpoint], poll_wait_s=0.1) as engine:
+        engine.reset()
+        engine.pause()  # the responses below wait: nothing generates
+        engine.update_weights(iter([_served_weights()]), 1)  # the engine's version, whatever the server's was
+        last = engine.health()[0]["vocab_size"] - 1
+        responses = []
+        for gid, token in ((1, last), (2, 0)):
+            r = Group.new(gid, list(range(3, 20)), 1, 12).responses[0]
+            r.append(np.array([token, 5, token, 7]), np.zeros(4, np.float32), 0)
+            responses.append(r)
+        engine.submit(responses, WireSamplingParams(ignore_eos=True))
+        with_last, with_zero = engine.compute_logprobs(responses)
+        engine.drop([r.response_id for r in responses])
+        engine.resume()
+    assert len(with_last) == len(with_zero) == 4 and np.isfinite(with_last).all() and (with_last < 0).all()
+    assert with_last[0] != with_zero[0] and with_last[2] != with_zero[2]
 
 
 def test_engine_side_verification_matches_the_trainer_with_exact_accounting(server, tmp_path, monkeypatch):

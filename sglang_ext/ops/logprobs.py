@@ -1,9 +1,10 @@
 """Log-prob op: compute_logprobs, the engine side of verification (`algo.verify_on: engine`).
 
 After a weight update, the controller asks for the log-probs of the responses it carries over under the new
-weights, while they wait (paused, or held while the rest of the server generates). Each response is prefilled (prompt + its cached tokens, nothing sampled) and the log-probs of its tokens
-come back; its KV stays in SGLang's prefix cache, so resuming it from any kept prefix prefills only what follows
-(the weight update flushed the cache, so that prefill is the one resuming needs anyway). It changes no response.
+weights, while they wait (paused, or held while the rest of the server generates). Each response is prefilled
+(prompt + its cached tokens, nothing sampled) and the log-probs of its tokens come back; its KV stays in SGLang's
+prefix cache, so resuming it from any kept prefix prefills only what follows (the weight update flushed the
+cache, so that prefill is the one resuming needs anyway). It changes no response.
 """
 
 from __future__ import annotations
