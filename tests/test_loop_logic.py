@@ -78,6 +78,8 @@ class ScriptedEngine:
 
     def truncate(self, keep):
         for rid, k in keep.items():
+            if rid in self.lost_ids:
+                continue  # as SGLangRolloutEngine: a lost server's ids wait for lost(), nothing to cut
             st = self.tracked[rid]
             assert self.paused or rid in self.held or st["done"], f"truncate of {rid} while it generates"
             assert k < st["len"], f"no-op truncation of {rid} sent"
@@ -95,8 +97,9 @@ class ScriptedEngine:
         self.held = set(hold)
 
     def release(self, rids):
-        assert not self.paused and set(rids) <= self.held, "release of responses not held"
-        self.held -= set(rids)
+        rids = set(rids) - set(self.lost_ids)
+        assert not self.paused and rids <= self.held, "release of responses not held"
+        self.held -= rids
 
     def update_weights(self, buckets, version):
         list(buckets)

@@ -297,6 +297,35 @@ def test_responses_the_engines_do_not_hold_are_verified_on_the_trainer():
     assert m["n_logprobs_on_engine"] == len(carried) - len(gone)
 
 
+def test_responses_lost_while_held_are_verified_on_the_trainer_and_resubmitted_verified():
+    """A server lost while the engines compute: its responses' log-probs come from the trainer, the rest's from
+    the engines; the next rollout resubmits the unfinished lost ones from the buffer's verified prefixes."""
+    loop = _loop("engine")
+    loop.run_step()
+    engine, compute = loop.engine, loop.engine.compute_logprobs
+    gone: list[str] = []
+
+    def lose_half(responses):
+        gone.extend(r.response_id for r in responses[::2])
+        for rid in gone:
+            del engine.tracked[rid]
+            engine.held.discard(rid)
+        engine.lost_ids = list(gone)
+        return [None if r.response_id in gone else lp for r, lp in zip(responses, compute(responses), strict=True)]
+
+    engine.compute_logprobs = lose_half
+    m = loop.run_step().metrics  # Ledger.check runs inside
+    engine.compute_logprobs = compute
+    assert 0 < len(gone) < m["n_carried"] and m["n_logprobs_on_engine"] == m["n_carried"] - len(gone)
+    assert sorted(loop.trainer.forwards[-1]) == sorted(gone)
+    verified = {rid: loop.buffer.get(rid).num_tokens for rid in gone if not loop.buffer.get(rid).finished}
+    submit, resubmitted = engine.submit, {}
+    engine.submit = lambda rs, sampling: resubmitted.update(
+        {r.response_id: r.num_tokens for r in rs if r.response_id in verified}) or submit(rs, sampling)
+    m = loop.run_step().metrics
+    assert m["n_resubmitted"] == len(verified) > 0 and resubmitted == verified  # from the verified prefixes
+
+
 def test_verify_on_is_checked_with_the_config():
     assert AlgoConfig().verify_on == "trainer"
     with pytest.raises(ValueError, match="algo.verify_on must be one of"):
