@@ -91,10 +91,12 @@ def _distributed_run(cfg, out):
 
 
 @pytest.mark.slow
-def test_rollverify_steps_over_two_nodes_survive_a_killed_server(ray_cluster, tmp_path):
+@pytest.mark.parametrize("verify_on", ["trainer", "engine"])
+def test_rollverify_steps_over_two_nodes_survive_a_killed_server(ray_cluster, tmp_path, verify_on):
     import ray
 
-    cfg = load_config(None, [*SMALL, "trainer.steps=3", "algo.mode=rollverify", f"cluster.address={ray_cluster.address}"])
+    cfg = load_config(None, [*SMALL, "trainer.steps=3", "algo.mode=rollverify", f"algo.verify_on={verify_on}",
+                             f"cluster.address={ray_cluster.address}"])
     keys_before = _key_folders()
     run = _distributed_run(cfg, tmp_path)
     killed = threading.Event()
