@@ -1,7 +1,9 @@
 """`algo.verify_on: engine`: the engines compute the new log-probs of carried tokens (`compute_logprobs`).
 
-Here: the server op's answers and refusals on the fake engine, its routing across two servers, and the loop's
-order (weights first, no trainer forward, the same cuts as `trainer`) with scripted components. The real SGLang
+Here: the server op's answers and refusals on the fake engine, holding and releasing responses while the server
+runs, its routing across two servers, and the loop's order with scripted components (weights first, no trainer
+forward, the next step's new groups generating while the carried responses are held, the engines' copies cut to
+the buffer's, a server lost meanwhile). The real SGLang
 engine against the real Megatron-Core trainer (per-token agreement, the same cuts, the exact ledger over steps)
 is `tests/test_train_e2e.py::test_engine_side_verification_matches_the_trainer_with_exact_accounting`.
 """
@@ -324,6 +326,26 @@ def test_responses_lost_while_held_are_verified_on_the_trainer_and_resubmitted_v
         {r.response_id: r.num_tokens for r in rs if r.response_id in verified}) or submit(rs, sampling)
     m = loop.run_step().metrics
     assert m["n_resubmitted"] == len(verified) > 0 and resubmitted == verified  # from the verified prefixes
+
+
+def test_a_switch_during_engine_side_verification_drops_the_new_groups_it_does_not_keep():
+    """The switch to on_policy can come from a verification during which new groups already generate: the groups
+    beyond the B the next step completes leave the engines (running ones included) and restart later, and from
+    then on every step completes what it launches, with the exact ledger throughout."""
+    cfg = LoopConfig(batch_groups=4, n=2, max_new_tokens=64, max_live=24, wait_s=0.0, phase_timeout_s=5)
+    loop = Loop(
+        cfg,
+        AlgoConfig(mode="rollverify", verify_on="engine", switch_window=2, switch_tau=0.5),
+        PrefillingScriptedEngine(5.0),
+        CountingTrainer(5.0),
+        make_group=lambda gid: Group.new(gid, [3, 4, 5], cfg.n, cfg.max_new_tokens),
+        reward=lambda group, response: float(response.num_tokens % 2),
+    )
+    rows = [loop.run_step().metrics for _ in range(8)]  # Ledger.check runs inside
+    switch = next(i for i, m in enumerate(rows) if m["switched"])
+    assert rows[switch]["n_launched_while_verifying"] > 0  # new groups were generating when it switched
+    assert [m["mode"] for m in rows[switch + 1:]] == ["on_policy"] * (7 - switch)
+    assert not loop.buffer.groups and not loop.engine.tracked
 
 
 def test_verify_on_is_checked_with_the_config():
