@@ -103,8 +103,10 @@ class Records:
         self.table: dict[str, Record] = {}
         self.events = EventQueue()
         self.tokens_generated = 0
-        self.tokens_launched = 0  # input tokens (prompt + kept prefix) of every engine request a launch made
-        self.tokens_prefix_cached = 0  # of those, the ones SGLang's prefix cache held (no prefill)
+        # input tokens (prompt + kept prefix) of every engine request whose output was recorded, and of those the
+        # ones SGLang's prefix cache held (not prefilled)
+        self.tokens_launched = 0
+        self.tokens_prefix_cached = 0
         self.engine_calls = engine_calls
         self._spawn = spawn
         self.route_shape: RouteShape | None = None
@@ -167,7 +169,6 @@ class Records:
         sampling = dict(rec.sampling_args)
         sampling["max_new_tokens"] = rec.remaining
         input_ids = np.concatenate([rec.prompt, rec.tokens]).tolist()
-        self.tokens_launched += len(input_ids)
         self.engine_calls.count(+1)
         rec.task = self._spawn(self._generate(rec, rec.engine_rid(), input_ids, sampling, routes_start))
         rec.state = State.RUNNING
@@ -198,9 +199,10 @@ class Records:
     def _absorb(self, rec: Record, res: Any, routes_start: int | None) -> None:
         """running -> paused (aborted by a pause) or finished: append what the engine request generated."""
         m = len(res.output_ids)
+        self.tokens_launched += len(rec.prompt) + rec.launch_len
+        self.tokens_prefix_cached += res.cached_tokens
         rec.append(res.output_ids, res.logprobs, rec.launch_version, self._generated_routes(rec, res, routes_start))
         self.tokens_generated += m
-        self.tokens_prefix_cached += res.cached_tokens
         if res.finish_type == "abort" and self.paused:
             rec.state = State.PAUSED
         elif res.finish_type in ("stop", "length"):
