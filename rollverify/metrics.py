@@ -44,11 +44,13 @@ STEP_FIELDS = (
     "rollout_s",
     "train_s",
     "verify_s",
+    "logprob_wait_s",
     "sync_s",
     "step_s",
     "switched",
 )
-TIME_FIELDS = ("rollout_s", "train_s", "verify_s", "sync_s", "step_s")
+# the step's phases; logprob_wait_s only with `algo.verify_on: engine` (the wait for the engines' log-probs)
+TIME_FIELDS = ("rollout_s", "train_s", "verify_s", "logprob_wait_s", "sync_s", "step_s")
 
 
 def _jsonable(v: Any) -> Any:
@@ -316,6 +318,7 @@ PANELS = (
             ("rollout_s", "rollout"),
             ("train_s", "train"),
             ("verify_s", "verify"),
+            ("logprob_wait_s", "log-prob wait (engine)"),
             ("sync_s", "sync"),
         ],
         "seconds",
