@@ -344,12 +344,13 @@ class Loop:
         new_lp = None
         unverified: list[str] | None = None  # engine mode: the carried responses held while the engines run
         if self.strategy.needs_new_logprobs or self.cfg.monitor_ops:
+            engine_side = self.algo.verify_on == "engine"
             t0 = time.perf_counter()
-            if self.algo.verify_on == "engine" and self.paused and self.strategy.carries_over:
+            if engine_side and self.paused and self.strategy.carries_over:
                 unverified, stats["n_launched_while_verifying"] = self._hold_and_fill(carried)
             new_lp, on_engine = self._new_logprobs(carried)
             stats["n_logprobs_on_engine"] = on_engine
-            if self.algo.verify_on == "engine":
+            if engine_side:
                 stats["logprob_wait_s"] = time.perf_counter() - t0
         outcome = self.strategy.apply(carried, new_lp, self.version)
         cut = self.buffer.apply_truncation(outcome.decisions)

@@ -140,6 +140,27 @@ class Records:
                 "whole version is loaded (send it again). Nothing was changed",
             )
 
+    def require_not_running(self, targets: list[Record], what: str) -> None:
+        """None of `targets` is generating, or RESPONSE_RUNNING naming those that are."""
+        running = [r.rid for r in targets if r.state is State.RUNNING]
+        if running:
+            raise ProtocolError(
+                ErrorCode.RESPONSE_RUNNING,
+                f"{what} of response(s) {running[:10]} ({len(running)}) while they generate; pause first (or hold "
+                "them), nothing was changed",
+                {"rids": running[:100]},
+            )
+
+    def require_paused(self, targets: list[Record], what: str) -> None:
+        """Every one of `targets` is paused (not generating, not finished), or INVALID naming those that are not."""
+        bad = [(r.rid, r.state.value) for r in targets if r.state is not State.PAUSED]
+        if bad:
+            raise ProtocolError(
+                ErrorCode.INVALID,
+                f"{what} names response(s) that are not paused: {bad[:10]} ({len(bad)}); nothing was changed",
+                {"rids": [rid for rid, _ in bad[:100]]},
+            )
+
     def require_idle(self, what: str) -> None:
         n = len(self.in_state(State.RUNNING))
         if n:

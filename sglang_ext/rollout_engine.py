@@ -125,12 +125,9 @@ class SGLangRolloutEngine:
 
     def truncate(self, keep: dict[str, int]) -> None:
         self._check_servers()
-        plan: dict[ServerSlot, dict[str, int]] = {}
-        for rid, k in keep.items():
-            s = self._holder(rid)
-            if s is not None:
-                plan.setdefault(s, {})[rid] = int(k)
-        self._settle(self.pool.fan({s: s.conn.truncate(p) for s, p in plan.items()}))
+        plan = self._by_holder(keep)
+        self._settle(self.pool.fan({s: s.conn.truncate({rid: int(keep[rid]) for rid in rids})
+                                    for s, rids in plan.items()}))
 
     def drop(self, response_ids: Iterable[str]) -> None:
         self._check_servers()
@@ -159,12 +156,7 @@ class SGLangRolloutEngine:
     def release(self, response_ids: Iterable[str]) -> None:
         """Launch held responses (kept paused by `resume(hold=...)`) on their running servers."""
         self._check_servers()
-        plan: dict[ServerSlot, list[str]] = {}
-        for rid in response_ids:
-            s = self._holder(rid)
-            if s is not None:
-                plan.setdefault(s, []).append(rid)
-        self._settle(self.pool.fan({s: s.conn.resume(rids=rids) for s, rids in plan.items()}))
+        self._settle(self.pool.fan({s: s.conn.resume(rids=rids) for s, rids in self._by_holder(response_ids).items()}))
 
     def update_weights(self, buckets: Iterator[list[tuple[str, Any]]], version: int) -> None:
         self._check_servers()
@@ -182,11 +174,7 @@ class SGLangRolloutEngine:
         it (`compute_logprobs` in docs/protocol.md) while the others generate; None for a response whose server
         was lost."""
         self._check_servers()
-        plan: dict[ServerSlot, list[str]] = {}
-        for r in responses:
-            s = self._holder(r.response_id)
-            if s is not None:
-                plan.setdefault(s, []).append(r.response_id)
+        plan = self._by_holder(r.response_id for r in responses)
         results = self._settle(
             self.pool.fan({s: s.conn.compute_logprobs(rids, expect_version=self.version) for s, rids in plan.items()})
         )
@@ -276,6 +264,16 @@ class SGLangRolloutEngine:
         if failed and not self._check_servers():
             raise RuntimeError(f"rollout engine: {next(iter(failed.values()))}") from next(iter(failed.values()))
         return {s: r for s, r in results.items() if s not in failed}
+
+    def _by_holder(self, rids: Iterable[str]) -> dict[ServerSlot, list[str]]:
+        """The ids each server holds, in the order given; those of a lost server the loop has not collected are
+        left out (see `_holder`)."""
+        plan: dict[ServerSlot, list[str]] = {}
+        for rid in rids:
+            s = self._holder(rid)
+            if s is not None:
+                plan.setdefault(s, []).append(rid)
+        return plan
 
     def _holder(self, rid: str) -> ServerSlot | None:
         """The slot that holds `rid`; None when its server was lost and the loop has not collected it yet."""

@@ -96,12 +96,9 @@ def test_config_errors_stop_before_anything_starts(tmp_path, capsys):
 
 def _served_weights() -> list:
     """The served checkpoint's tensors, (HF name, tensor): a weight update with them changes only the version."""
-    import glob
+    from rollverify.export import hf_weight_buckets
 
-    from safetensors.torch import load_file
-
-    folder = resolve_model(load_config(None, SMALL))
-    return [kv for f in sorted(glob.glob(f"{folder}/*.safetensors")) for kv in load_file(f).items()]
+    return [kv for bucket in hf_weight_buckets(resolve_model(load_config(None, SMALL))) for kv in bucket]
 
 
 def test_resumed_prefixes_reuse_the_kv_of_the_engine_side_log_probs(server):

@@ -274,15 +274,13 @@ class SimEngine:
 
     def resume(self, hold: Collection[str] = ()) -> None:
         self.paused = False
-        for rid, t in self.tracked.items():
-            if not t.done and t.slot < 0 and rid not in hold:
-                self._admit(rid, t)  # prompt + kept tokens prefill again under the new weights
+        self.release([rid for rid in self.tracked if rid not in hold])
 
     def release(self, response_ids: Iterable[str]) -> None:
         for rid in response_ids:
             t = self.tracked[rid]
             if not t.done and t.slot < 0:
-                self._admit(rid, t)
+                self._admit(rid, t)  # prompt + kept tokens prefill again under the new weights (or reuse its KV)
 
     def update_weights(self, buckets: Iterator[list[tuple[str, object]]], version: int) -> None:
         for _ in buckets:

@@ -20,7 +20,7 @@ from sglang_ext.protocol import (
     TruncateBody,
     encode_outputs,
 )
-from sglang_ext.store import Record, State, pack_deltas
+from sglang_ext.store import State, pack_deltas
 
 if TYPE_CHECKING:
     from sglang_ext.server import ControlServer
@@ -93,13 +93,13 @@ class GenerationOps:
                     "server is paused: resume it first (nothing was changed)",
                 )
             live = recs.lookup(body.rids)
-            _require_paused(live, "resume rids")
+            recs.require_paused(live, "resume rids")
             recs.require_whole_weights("resume")
         else:
             if not recs.paused:
                 raise ProtocolError(ErrorCode.NOT_PAUSED, "the server is not paused; nothing to resume")
             recs.require_whole_weights("resume")
-            _require_paused(recs.lookup(body.hold), "resume hold")
+            recs.require_paused(recs.lookup(body.hold), "resume hold")
             held = set(body.hold)
             recs.paused = False
             live = [r for r in recs.in_state(State.PAUSED) if r.rid not in held]
@@ -111,12 +111,7 @@ class GenerationOps:
         """Cut responses that are not generating; a finished one cut short is revived (launched unless paused)."""
         recs = self.records
         targets = recs.lookup(list(body.keep))
-        running = [r.rid for r in targets if r.state is State.RUNNING]
-        if running:
-            raise ProtocolError(
-                ErrorCode.RESPONSE_RUNNING,
-                f"response(s) {running[:10]} are generating; pause first (nothing was changed)",
-            )
+        recs.require_not_running(targets, "truncate")
         bad = [(r.rid, body.keep[r.rid], len(r)) for r in targets if not 0 <= body.keep[r.rid] <= len(r)]
         if bad:
             rid, keep, n = bad[0]
@@ -166,13 +161,3 @@ class GenerationOps:
         out["max_new_tokens"] = [r.max_new_tokens for r in targets]
         return out, arrays, None
 
-
-def _require_paused(records: list[Record], what: str) -> None:
-    """Every record is paused (not generating, not finished), or INVALID naming those that are not."""
-    bad = [(r.rid, r.state.value) for r in records if r.state is not State.PAUSED]
-    if bad:
-        raise ProtocolError(
-            ErrorCode.INVALID,
-            f"{what} names response(s) that are not paused: {bad[:10]} ({len(bad)}); nothing was changed",
-            {"rids": [rid for rid, _ in bad[:100]]},
-        )

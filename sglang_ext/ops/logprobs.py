@@ -18,7 +18,6 @@ import numpy as np
 from sglang_ext.dispatch import Handler, Reply
 from sglang_ext.engine import PrefillRequest
 from sglang_ext.protocol import ComputeLogprobsBody, ErrorCode, Message, ProtocolError
-from sglang_ext.store import State
 
 if TYPE_CHECKING:
     from sglang_ext.server import ControlServer
@@ -50,14 +49,7 @@ class LogprobOps:
             dup = sorted(r for r, n in Counter(body.rids).items() if n > 1)
             raise ProtocolError(ErrorCode.INVALID, f"compute_logprobs names response(s) {dup[:10]} more than once")
         targets = recs.lookup(body.rids)
-        running = [r.rid for r in targets if r.state is State.RUNNING]
-        if running:
-            raise ProtocolError(
-                ErrorCode.RESPONSE_RUNNING,
-                f"compute_logprobs of response(s) {running[:10]} ({len(running)}) while they generate: pause or hold "
-                "them first (nothing was computed)",
-                {"rids": running[:100]},
-            )
+        recs.require_not_running(targets, "compute_logprobs")
         tempered = [(r.rid, r.sampling.temperature) for r in targets if r.sampling.temperature not in UNTEMPERED]
         if tempered:
             rid, t = tempered[0]
