@@ -15,10 +15,12 @@ and ``keep_lengths = L2``. An infinite threshold turns its stage off.
 Everything is vectorised, and the packed inputs are read once: on CPU the tokens stream through in
 cache-sized blocks, and per block the only per-token work is computing D, one sum per row of ``ROW``
 tokens, and comparing each version with its predecessor (segment boundaries). Large CPU batches sum the
-rows in one compiled kernel (torch.compile) that never writes D; the versions stay in the blocks, where
-numpy compares them faster than the compiled integer code does. Segment sums and the
-token-stage search then touch only rows that matter: the rows holding a segment boundary, and the rows
-whose sum reaches d_t (D >= 0, so a row holding a token >= d_t has a row sum >= d_t).
+rows in one compiled kernel (torch.compile) that never writes D and takes it, where |lp_new - lp_old| <= 1/2,
+from expm1's Taylor series (a few multiply-adds instead of an exponential); the few rows holding any other
+difference are summed again from token_ops. The versions stay in the blocks, where numpy compares them
+faster than the compiled integer code does. Segment sums and the token-stage search then touch only rows
+that matter: the rows holding a segment boundary, and the rows whose sum reaches d_t (D >= 0, so a row
+holding a token >= d_t has a row sum >= d_t).
 """
 
 from __future__ import annotations
@@ -35,8 +37,10 @@ from torch import Tensor
 ROW = 64  # tokens per row of the two-level sum
 CPU_BLOCK = 1 << 19  # tokens per streamed block on CPU (2 MiB of float32: stays in cache)
 FUSED_MIN_TOKENS = 1 << 20  # CPU batches above this sum D's rows in one compiled kernel (_compiled_row_sums)
-LOG2_E = 1.4426950408889634
-_COMPILED: dict[Callable, Callable | None] = {}  # D's function -> its compiled row sums (None: failed)
+SERIES_RANGE = 0.5  # |lp_new - lp_old| up to which the compiled kernel takes D from expm1's Taylor series
+SERIES_DEGREE = 8  # its truncation error there is below 1.1e-8 of D, its float32 rounding within 2 ulps
+KERNEL_SLACK = 1.0 - 2.0**-20  # row sums of the kernel's D and token_ops' D agree to within this factor
+_COMPILED: dict[Callable, Callable | None] = {}  # kernel D's function -> its compiled row sums (None: failed)
 
 TensorLike = Tensor | np.ndarray
 
@@ -79,12 +83,24 @@ class VerifyResult:
 def token_ops(old_logprobs: Tensor, new_logprobs: Tensor, out: Tensor | None = None) -> Tensor:
     """D = |exp(lp_new - lp_old) - 1| in float32, elementwise; a NaN or inf in either input gives inf.
 
-    Non-finite differences are mapped to +inf *before* the exponential, so that lp_new = -inf (the new
-    policy forbids the token) fails every check instead of landing on |0 - 1| = 1. The exponential is
-    taken as 2^(x log2 e): exp2 costs half of exp on CPU and differs from it by a few float32 ulps.
+    Taken as |expm1(lp_new - lp_old)|, exact to an ulp of D also where D is small (exp(x) - 1 in float32
+    would lose all but a few bits of D ~ 1e-3 to the cancellation). Non-finite differences are mapped to
+    +inf *before* expm1, so that lp_new = -inf (the new policy forbids the token) fails every check instead
+    of landing on |0 - 1| = 1.
     """
-    x = torch.sub(new_logprobs.float(), old_logprobs.float(), out=out).mul_(LOG2_E)
-    return _nonfinite_to_inf(x, out=x).exp2_().sub_(1.0).abs_()
+    x = torch.sub(new_logprobs.float(), old_logprobs.float(), out=out)
+    return _nonfinite_to_inf(x, out=x).expm1_().abs_()
+
+
+def series_ops(old_logprobs: Tensor, new_logprobs: Tensor) -> Tensor:
+    """token_ops' D where |lp_new - lp_old| <= SERIES_RANGE, from expm1's Taylor series to SERIES_DEGREE
+    (within 2 ulps of D there, no exponential), and inf everywhere else (NaN and inf inputs included): the
+    compiled kernel's D, whose infinite row sums mark the rows to sum again from token_ops."""
+    x = new_logprobs.float() - old_logprobs.float()
+    d = x * (1.0 / math.factorial(SERIES_DEGREE))
+    for k in range(SERIES_DEGREE - 1, 0, -1):
+        d = (d + 1.0 / math.factorial(k)) * x
+    return torch.where(x.abs() <= SERIES_RANGE, d.abs(), math.inf)
 
 
 def nan_to_inf(ops: Tensor, out: Tensor | None = None) -> Tensor:
@@ -133,7 +149,7 @@ def two_stage_verify(
     d_s, d_t = _check_threshold(d_s, "d_s"), _check_threshold(d_t, "d_t")
 
     block = _check_block(block, old)
-    return _verify(_Source((old, new), token_ops), versions, lengths, d_s, d_t, block)
+    return _verify(_Source((old, new), token_ops, series_ops), versions, lengths, d_s, d_t, block)
 
 
 def two_stage_verify_ops(
@@ -155,7 +171,7 @@ def two_stage_verify_ops(
     d_s, d_t = _check_threshold(d_s, "d_s"), _check_threshold(d_t, "d_t")
     block = _check_block(block, d)
 
-    return _verify(_Source((d,), nan_to_inf), versions, lengths, d_s, d_t, block)
+    return _verify(_Source((d,), nan_to_inf, nan_to_inf), versions, lengths, d_s, d_t, block)
 
 
 # --- the algorithm ----------------------------------------------------------------------------------------
@@ -163,10 +179,12 @@ def two_stage_verify_ops(
 
 @dataclass
 class _Source:
-    """Where D comes from: ``fn(*inputs, out=None)`` on matching slices or rows of the packed inputs."""
+    """Where D comes from: ``fn(*inputs, out=None)`` on matching slices or rows of the packed inputs, and
+    ``kernel(*inputs)``, the compiled kernel's D: fn's within a few ulps, or inf where it is costly to take."""
 
     inputs: tuple[Tensor, ...]
     fn: Callable[..., Tensor]
+    kernel: Callable[..., Tensor]
 
     def block(self, s: int, e: int, out: Tensor) -> None:
         self.fn(*(x[s:e] for x in self.inputs), out=out)
@@ -244,10 +262,11 @@ def _scan(ops: _Source, versions: Tensor, block: int) -> tuple[Tensor, Tensor]:
 
 def _compiled_row_sums(ops: _Source, m: int, row_sums: Tensor) -> int:
     """D summed over each row of tokens [0, m) (m a multiple of ROW) into ``row_sums`` by one compiled kernel
-    (torch.compile) that reads the inputs once and never writes D, which the eager blocks do; returns m, or 0
-    when compiling failed (no C++ compiler, say: a warning names why, and the eager blocks sum every row).
-    Compiling takes seconds once per process, hence only for batches above FUSED_MIN_TOKENS."""
-    fn = ops.fn
+    (torch.compile) that reads the inputs once and never writes D, which the eager blocks do; rows whose
+    kernel sum is not finite are summed again from ``ops.fn``. Returns m, or 0 when compiling failed (no C++
+    compiler, say: a warning names why, and the eager blocks sum every row). Compiling takes seconds once
+    per process, hence only for batches above FUSED_MIN_TOKENS."""
+    fn = ops.kernel
     if fn not in _COMPILED:
 
         def sums(*inputs: Tensor) -> Tensor:
@@ -258,11 +277,14 @@ def _compiled_row_sums(ops: _Source, m: int, row_sums: Tensor) -> int:
     if kernel is None:
         return 0
     try:
-        row_sums[: m // ROW] = kernel(*(x[:m] for x in ops.inputs))
+        sums = kernel(*(x[:m] for x in ops.inputs))
     except Exception as e:  # an optimisation only: any failure to compile leaves the eager blocks
         warnings.warn(f"verification runs without its compiled pass ({type(e).__name__}: {e})", stacklevel=4)
         _COMPILED[fn] = None
         return 0
+    again = _flatnonzero(~torch.isfinite(sums))
+    sums[again] = ops.rows(again).sum(1)
+    row_sums[: m // ROW] = sums
     return m
 
 
@@ -280,6 +302,13 @@ def _version_changes(versions: Tensor, lo: int, e: int, scratch: Tensor) -> Tens
     words = np.flatnonzero(m[:w].view(np.uint64) != 0)  # numpy's nonzero is fast on bool, slow on integers
     r, c = np.nonzero(m[:w].reshape(-1, 8)[words])
     return torch.from_numpy(np.concatenate([words[r] * 8 + c, np.flatnonzero(m[w:]) + w]) + lo)
+
+
+def _flatnonzero(mask: Tensor) -> Tensor:
+    """Positions of the true entries of a 1-D bool tensor; on CPU by numpy, several times faster there."""
+    if mask.device.type == "cpu":
+        return torch.from_numpy(np.flatnonzero(mask.numpy()))
+    return torch.nonzero(mask).squeeze(1)
 
 
 def _gather_rows(x: Tensor, rows: Tensor) -> Tensor:
@@ -316,8 +345,9 @@ def _segment_sums(ops: _Source, row_sums: Tensor, starts: Tensor) -> Tensor:
 
 
 def _hot_tokens(ops: _Source, row_sums: Tensor, t: float, n: int) -> Tensor:
-    """Sorted positions of tokens with D >= t, searched in the rows whose sum reaches t (D >= 0)."""
-    rows = torch.nonzero(row_sums >= t).squeeze(1)
+    """Sorted positions of tokens with D >= t, searched in the rows whose sum reaches t (D >= 0), less the
+    few ulps by which a kernel's row sum may fall short of token_ops' D."""
+    rows = _flatnonzero(row_sums >= t * KERNEL_SLACK)
     r, c = torch.nonzero(ops.rows(rows) >= t, as_tuple=True)
     hot = rows[r] * ROW + c
     return hot[hot < n]

@@ -12,7 +12,8 @@ import numpy as np
 
 
 def reference_token_ops(old: float, new: float) -> float:
-    """D = |exp(lp_new - lp_old) - 1| computed in float32; a NaN or inf in either input gives inf."""
+    """D = |exp(lp_new - lp_old) - 1| of the float32 log-probs, rounded to float32; a NaN or inf in either
+    input gives inf."""
     old32, new32 = np.float32(old), np.float32(new)
     if not (math.isfinite(old32) and math.isfinite(new32)):
         return math.inf
@@ -20,8 +21,7 @@ def reference_token_ops(old: float, new: float) -> float:
     if not math.isfinite(x):  # the difference overflowed float32
         return math.inf
     with np.errstate(over="ignore"):
-        ratio = np.float32(math.exp(min(x, 100.0)))  # float32 overflow gives inf, as in float32 arithmetic
-    return float(np.abs(ratio - np.float32(1.0)))
+        return float(np.float32(abs(math.expm1(min(x, 100.0)))))  # float32 overflow gives inf
 
 
 def reference_verify_ops(

@@ -146,12 +146,28 @@ def test_token_ops_values():
     assert d[3:] == [INF] * 5  # new = -inf is not |0 - 1| = 1: a non-finite input fails every check
 
 
-def test_token_ops_close_to_float64_definition():
+def test_token_ops_within_an_ulp_of_the_exact_value_also_where_d_is_small():
     g = torch.Generator().manual_seed(0)
-    old = -torch.rand(10_000, generator=g) * 10
-    new = old + torch.randn(10_000, generator=g)
-    exact = (torch.exp(new.double() - old.double()) - 1).abs()
-    np.testing.assert_allclose(token_ops(old, new).numpy(), exact.numpy(), rtol=1e-5, atol=2e-7)
+    old = -torch.rand(20_000, generator=g) * 10
+    new = old + torch.randn(20_000, generator=g) * torch.tensor([1.0, 1e-3]).repeat(10_000)
+    exact = torch.expm1((new - old).double()).abs()  # of the float32 difference token_ops takes
+    d = token_ops(old, new)
+    assert float(((d.double() - exact).abs() / torch.from_numpy(np.spacing(d.numpy())).double()).max()) <= 1.0
+
+
+def test_series_ops_within_two_ulps_of_token_ops_in_range_and_inf_outside():
+    """The compiled kernel's D: |expm1| by its Taylor series where |x| <= SERIES_RANGE, inf elsewhere."""
+    from rollverify.verify import SERIES_RANGE, series_ops
+
+    x = torch.cat([torch.linspace(-SERIES_RANGE, SERIES_RANGE, 200_001), torch.logspace(-30, -0.31, 2000)])
+    old = torch.full_like(x, -3.0)
+    new = old + x
+    exact = token_ops(old, new)
+    series = series_ops(old, new)
+    ulp = torch.from_numpy(np.spacing(exact.numpy()))
+    assert float(((series - exact).abs() / ulp).max()) <= 2.0
+    edge = torch.tensor([SERIES_RANGE + 1e-3, -SERIES_RANGE - 1e-3, 5.0, INF, -INF, NAN])
+    assert series_ops(torch.zeros(6), edge).tolist() == [INF] * 6
 
 
 def test_token_ops_accepts_bf16_and_float64():
@@ -281,6 +297,30 @@ def test_compiled_row_sums_give_the_eager_results(monkeypatch):
     assert len(verify._COMPILED) == 2 and None not in verify._COMPILED.values()
 
 
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None, reason="torch.compile needs a C++ compiler")
+def test_a_token_at_d_t_is_found_where_the_kernel_rounds_its_d_below_token_ops(monkeypatch):
+    """The kernel's D may be an ulp or two below token_ops': a row holding one token with D = d_t, the rest 0,
+    then sums below d_t, and the token stage must still search that row."""
+    import rollverify.verify as verify
+
+    monkeypatch.setattr(verify, "FUSED_MIN_TOKENS", 0)
+    x = torch.linspace(0.01, verify.SERIES_RANGE, 4096)  # one candidate difference per row, in column 0
+    old = torch.full((x.numel() * ROW,), -2.0)
+    new = old.clone()
+    new[::ROW] += x
+    row_sums = torch.empty(x.numel())
+    verify._compiled_row_sums(verify._Source((old, new), token_ops, verify.series_ops), old.numel(), row_sums)
+    below = torch.nonzero(row_sums < token_ops(old[::ROW], new[::ROW])).squeeze(1)
+    assert below.numel(), "no difference the kernel rounds below token_ops: the case is not exercised"
+    r = int(below[0])
+    d_t = float(token_ops(old[r * ROW : r * ROW + 1], new[r * ROW : r * ROW + 1]))
+    one = torch.full((3 * ROW,), -2.0)
+    new1 = one.clone()
+    new1[ROW + 5] += x[r]
+    got = two_stage_verify(one, new1, torch.zeros(3 * ROW, dtype=torch.int64), [3 * ROW], math.inf, d_t)
+    assert got.keep_lengths.tolist() == [ROW + 5]
+
+
 def test_compiled_row_sums_fall_back_to_the_eager_blocks_with_a_warning(monkeypatch):
     import rollverify.verify as verify
 
@@ -377,5 +417,5 @@ def test_bench_tool_runs_small(tmp_path, monkeypatch, capsys):
     report = json.loads(out.read_text())
     assert report["reference_agrees_on_subsample"] and report["responses"] == 16
     assert {"verify_s_min", "floor_s_min", "x_floor", "x_faster_than_reference", "x_floor_cpu"} <= report.keys()
-    assert any("exp2" in row["op"] for row in report["profile"])  # the exponential of D is one of the operations
+    assert any("expm1" in row["op"] for row in report["profile"])  # the exponential of D is one of the operations
     assert "memory floor" in capsys.readouterr().out
