@@ -39,7 +39,7 @@ CPU_BLOCK = 1 << 19  # tokens per streamed block on CPU (2 MiB of float32: stays
 FUSED_MIN_TOKENS = 1 << 20  # CPU batches above this sum D's rows in one compiled kernel (_compiled_row_sums)
 SERIES_RANGE = 0.5  # |lp_new - lp_old| up to which the compiled kernel takes D from expm1's Taylor series
 SERIES_DEGREE = 8  # its truncation error there is below 1.1e-8 of D, its float32 rounding within 2 ulps
-KERNEL_SLACK = 1.0 - 2.0**-20  # row sums of the kernel's D and token_ops' D agree to within this factor
+KERNEL_SLACK = 1.0 - 2.0**-20  # a kernel row sum is >= this times token_ops' D of any token in the row
 _COMPILED: dict[Callable, Callable | None] = {}  # kernel D's function -> its compiled row sums (None: failed)
 
 TensorLike = Tensor | np.ndarray
