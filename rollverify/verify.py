@@ -262,10 +262,10 @@ def _scan(ops: _Source, versions: Tensor, block: int) -> tuple[Tensor, Tensor]:
 
 def _compiled_row_sums(ops: _Source, m: int, row_sums: Tensor) -> int:
     """D summed over each row of tokens [0, m) (m a multiple of ROW) into ``row_sums`` by one compiled kernel
-    (torch.compile) that reads the inputs once and never writes D, which the eager blocks do; rows whose
-    kernel sum is not finite are summed again from ``ops.fn``. Returns m, or 0 when compiling failed (no C++
-    compiler, say: a warning names why, and the eager blocks sum every row). Compiling takes seconds once
-    per process, hence only for batches above FUSED_MIN_TOKENS."""
+    (torch.compile) that reads the inputs once and never writes D, which the eager blocks do; when the kernel's
+    D is not ``ops.fn``'s, the rows whose kernel sum is not finite are summed again from ``ops.fn``. Returns m,
+    or 0 when compiling failed (no C++ compiler, say: a warning names why, and the eager blocks sum every row).
+    Compiling takes seconds once per process, hence only for batches above FUSED_MIN_TOKENS."""
     fn = ops.kernel
     if fn not in _COMPILED:
 
@@ -278,14 +278,15 @@ def _compiled_row_sums(ops: _Source, m: int, row_sums: Tensor) -> int:
     if kernel is None:
         return 0
     try:
-        sums = kernel(*(x[:m] for x in ops.inputs))
+        kernel_sums = kernel(*(x[:m] for x in ops.inputs))
     except Exception as e:  # an optimisation only: any failure to compile leaves the eager blocks
         warnings.warn(f"verification runs without its compiled pass ({type(e).__name__}: {e})", stacklevel=4)
         _COMPILED[fn] = None
         return 0
-    again = torch.from_numpy(np.flatnonzero(~np.isfinite(sums.numpy())))  # a CPU kernel: numpy's are faster
-    sums[again] = ops.rows(again).sum(1)
-    row_sums[: m // ROW] = sums
+    if ops.kernel is not ops.fn:  # its inf marks the tokens it did not take; fn's own inf would stay inf
+        again = torch.from_numpy(np.flatnonzero(~np.isfinite(kernel_sums.numpy())))  # numpy's are faster on CPU
+        kernel_sums[again] = ops.rows(again).sum(1)
+    row_sums[: m // ROW] = kernel_sums
     return m
 
 

@@ -209,7 +209,11 @@ class ServerConnection:
     async def resume(self, hold: Sequence[str] = (), rids: Sequence[str] | None = None) -> dict:
         """Resume the paused server, every paused response but `hold` launching; or, with `rids`, launch
         those held responses of the running server."""
-        body: dict[str, Any] = {"rids": list(rids)} if rids is not None else {"hold": list(hold)} if hold else {}
+        body: dict[str, Any] = {}
+        if rids is not None:
+            body["rids"] = list(rids)
+        elif hold:
+            body["hold"] = list(hold)
         return (await self.call("resume", body)).body
 
     async def truncate(self, keep: dict[str, int]) -> dict:

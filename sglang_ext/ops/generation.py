@@ -160,4 +160,3 @@ class GenerationOps:
         out["prompt_lens"] = [len(r.prompt) for r in targets]
         out["max_new_tokens"] = [r.max_new_tokens for r in targets]
         return out, arrays, None
-
