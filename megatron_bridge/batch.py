@@ -26,6 +26,7 @@ class TrainSequence:
     gen_ids: np.ndarray  # [G] int, G >= 1
     routed_experts: np.ndarray | None = None  # [P + G - 1, moe_layers, top_k] int32, engine's routing
     rollout_logprobs: np.ndarray | None = None  # [G] float32, engine's log-probs (temperature-scaled)
+    rollout_versions: np.ndarray | None = None  # [G] int, the policy version that sampled each token
     advantage: float | np.ndarray | None = None  # scalar (GRPO) or [G]
     loss_mask: np.ndarray | None = None  # [G] bool/0-1; None = every generated token counts
 
@@ -36,7 +37,7 @@ class TrainSequence:
             raise ValueError(f"a sequence needs >= 1 prompt and >= 1 generated token, got "
                              f"{self.prompt_ids.size} and {self.gen_ids.size}")
         g = self.gen_ids.size
-        for name in ("rollout_logprobs", "loss_mask"):
+        for name in ("rollout_logprobs", "rollout_versions", "loss_mask"):
             v = getattr(self, name)
             if v is not None and np.asarray(v).reshape(-1).size != g:
                 raise ValueError(f"{name} has {np.asarray(v).size} entries for {g} generated tokens")

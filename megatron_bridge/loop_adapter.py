@@ -25,7 +25,8 @@ def train_sequence(response: Response, advantage: float | None = None) -> TrainS
     if routes is not None and response.prompt_routed_experts is not None:
         routes = np.concatenate([response.prompt_routed_experts, routes])
     return TrainSequence(prompt_ids=response.prompt_ids, gen_ids=response.token_ids, routed_experts=routes,
-                         rollout_logprobs=response.logprobs, advantage=advantage)
+                         rollout_logprobs=response.logprobs, rollout_versions=response.versions,
+                         advantage=advantage)
 
 
 class LoopTrainer:
@@ -40,12 +41,13 @@ class LoopTrainer:
         counts = [len(r.token_ids) for r in responses]
         return [a.astype(np.float32) for a in np.split(flat, np.cumsum(counts)[:-1])]
 
-    def train_step(self, responses: Sequence[Response], advantages: np.ndarray, temperature: float) -> dict:
+    def train_step(self, responses: Sequence[Response], advantages: np.ndarray, temperature: float,
+                   policy_version: int) -> dict:
         adv = np.asarray(advantages, dtype=np.float32).reshape(-1)
         if adv.size != len(responses):
             raise ValueError(f"{adv.size} advantages for {len(responses)} responses (one each)")
         seqs = [train_sequence(r, float(a)) for r, a in zip(responses, adv, strict=True)]
-        return self.trainer.train_step(seqs, temperature=temperature)
+        return self.trainer.train_step(seqs, temperature=temperature, policy_version=policy_version)
 
     def export_weights(self) -> Iterator[list[tuple[str, object]]]:
         return buckets(self.trainer.iter_hf_tensors(), self.bucket_bytes)

@@ -124,12 +124,30 @@ def micro_batch_loss(lp: torch.Tensor, ent: torch.Tensor, x: dict, counts: list[
     return t.loss_sum, t.count.to(dev), stats
 
 
-def mismatch(seqs: list[TrainSequence], old: list[np.ndarray]) -> dict[str, float]:
-    """Trainer/engine log-prob mismatch on the recomputed old log-probs (same weights as the engine had)."""
-    diffs = [old[i] - np.asarray(s.rollout_logprobs, np.float32) for i, s in enumerate(seqs)
-             if s.rollout_logprobs is not None]
-    if not diffs:
-        return {}
-    d = np.concatenate(diffs).astype(np.float64)
-    return {"mismatch_abs_mean": float(np.abs(d).mean()), "mismatch_abs_max": float(np.abs(d).max()),
-            "mismatch_ops_mean": float(np.abs(np.expm1(d)).mean())}
+def mismatch(seqs: list[TrainSequence], old: list[np.ndarray], policy_version: int | None) -> dict[str, float]:
+    """The recomputed old log-probs against the engine's, split by who sampled the token. `mismatch_*`: tokens
+    sampled by the weights the trainer holds (`policy_version`), where the two should agree to the kernels'
+    floor; `drift_*`: tokens of older versions (carried over), where the difference is the policy's drift
+    since they were sampled (their OPS under this step's policy). Without `policy_version` or a sequence's
+    `rollout_versions`, its tokens count as the trainer's own."""
+    same, older = [], []
+    for i, s in enumerate(seqs):
+        if s.rollout_logprobs is None:
+            continue
+        d = (old[i] - np.asarray(s.rollout_logprobs, np.float32)).astype(np.float64)
+        if policy_version is None or s.rollout_versions is None:
+            same.append(d)
+            continue
+        own = np.asarray(s.rollout_versions) == policy_version
+        same.append(d[own])
+        older.append(d[~own])
+    return {**_diff_stats("mismatch", same), **_diff_stats("drift", older)}
+
+
+def _diff_stats(prefix: str, parts: list[np.ndarray]) -> dict[str, float]:
+    """`{prefix}_tokens` and, over at least one token, the mean and max |difference| and mean |expm1| (OPS)."""
+    d = np.concatenate(parts) if parts else np.zeros(0)
+    if not d.size:
+        return {f"{prefix}_tokens": 0.0} if parts else {}
+    return {f"{prefix}_tokens": float(d.size), f"{prefix}_abs_mean": float(np.abs(d).mean()),
+            f"{prefix}_abs_max": float(np.abs(d).max()), f"{prefix}_ops_mean": float(np.abs(np.expm1(d)).mean())}

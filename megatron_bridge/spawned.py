@@ -194,8 +194,8 @@ class SpawnedTrainer:
     def compute_logprobs(self, batch, *, replay: bool | None = None, temperature: float = 1.0):
         return self._call("compute_logprobs", list(batch), replay=replay, temperature=temperature)
 
-    def train_step(self, batch, *, temperature: float = 1.0) -> dict[str, float]:
-        return self._call("train_step", list(batch), temperature=temperature)
+    def train_step(self, batch, *, temperature: float = 1.0, policy_version: int | None = None) -> dict[str, float]:
+        return self._call("train_step", list(batch), temperature=temperature, policy_version=policy_version)
 
     def loss_on(self, batch, old_logprobs, *, temperature: float = 1.0) -> dict[str, float]:
         return self._call("loss_on", list(batch), old_logprobs, temperature=temperature)

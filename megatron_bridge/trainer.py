@@ -214,8 +214,11 @@ class MegatronTrainer:
     # ------------------------------------------------------------------------------------------ train
 
     @_needs(*KINDS)
-    def train_step(self, batch: Sequence[TrainSequence], *, temperature: float = 1.0) -> dict[str, float]:
+    def train_step(self, batch: Sequence[TrainSequence], *, temperature: float = 1.0,
+                   policy_version: int | None = None) -> dict[str, float]:
         """One optimizer step of the GRPO loss on `batch` (sequences with advantages and rollout log-probs).
+        `policy_version`: the version of the weights held now, which splits the engine/trainer mismatch from
+        the drift of older tokens (`policy_loss.mismatch`).
 
         The old log-probs of the ratio are recomputed here, before the step, with the same routing as the
         training forward, and feed TIS: `w = min(exp(lp_old_train - lp_rollout), C)` (detached).
@@ -242,7 +245,7 @@ class MegatronTrainer:
         ok, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
         self.step_count += 1
-        metrics.update(policy_loss.mismatch(seqs, old))
+        metrics.update(policy_loss.mismatch(seqs, old, policy_version))
         metrics.update(
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
             update_ok=float(bool(ok)),

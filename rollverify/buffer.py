@@ -54,12 +54,15 @@ class RolloutBuffer:
         finish_reason: str | None = None,
         finished: bool | None = None,
         offset: int | None = None,
+        prompt_routes: np.ndarray | None = None,
+        prefix_routes: np.ndarray | None = None,
     ) -> bool:
         """Append one rollout output to its response; True when that completes the response's group.
 
         ``finished`` defaults to ``finish_reason in ("stop", "length")``. ``offset``, where the engine says the
         output starts, must be the response's length: the buffer is the controller's one copy, and an output
-        that does not continue it is a lost or duplicated delta.
+        that does not continue it is a lost or duplicated delta. ``prompt_routes`` / ``prefix_routes``: the
+        engine's re-prefill of the prompt and of the tokens before the output (``Response.reroute``).
         """
         response = self.get(response_id)
         if offset is not None and offset != response.num_tokens:
@@ -67,6 +70,7 @@ class RolloutBuffer:
                 f"response {response_id}: the engine's output starts at token {offset} but the buffer holds "
                 f"{response.num_tokens}"
             )
+        response.reroute(prompt_routes, prefix_routes)
         response.append(token_ids, logprobs, versions, routed_experts, finish_reason=finish_reason, finished=finished)
         return self._note(self.groups[response.group_id])
 

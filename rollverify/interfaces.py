@@ -39,9 +39,12 @@ class Chunk:
     versions: np.ndarray  # int64 [n], policy version that sampled each token
     routed_experts: np.ndarray | None  # int32 [n, layers, top_k] for MoE, else None
     finish_reason: str | None  # "stop" | "length" when finished, "error" on failure, None when paused
-    prompt_routed_experts: np.ndarray | None = None  # int32 [prompt_len - 1, layers, top_k], first chunk only
+    # routes of the engine's re-prefill of the prompt (int32 [prompt_len - 1, layers, top_k]) and of the tokens
+    # before the chunk ([offset, layers, top_k]), when it ran one: they supersede the routes the buffer holds
+    prompt_routed_experts: np.ndarray | None = None
     error: str | None = None
     offset: int | None = None  # where the chunk starts in its response, when the engine knows (the buffer checks)
+    prefix_routed_experts: np.ndarray | None = None
 
 
 class RolloutEngine(Protocol):
@@ -90,8 +93,11 @@ class Trainer(Protocol):
     def compute_logprobs(self, responses: Sequence[Response], temperature: float) -> list[np.ndarray]:
         """Log-probs of each response's generated tokens under the current policy (float32)."""
 
-    def train_step(self, responses: Sequence[Response], advantages: np.ndarray, temperature: float) -> dict:
-        """One optimizer step on these responses (one advantage each); returns metrics."""
+    def train_step(
+        self, responses: Sequence[Response], advantages: np.ndarray, temperature: float, policy_version: int
+    ) -> dict:
+        """One optimizer step on these responses (one advantage each) from the policy of `policy_version` (tokens
+        of that version were sampled by the weights the trainer holds); returns metrics."""
 
     def export_weights(self) -> Iterator[list[tuple[str, object]]]:
         """The current policy in HF naming, in buckets, for the engines."""

@@ -278,11 +278,9 @@ class Loop:
             if c.finish_reason == "error":
                 raise RuntimeError(f"the engine failed response {c.response_id}: {c.error}")
             response = self.buffer.get(c.response_id)
-            if c.prompt_routed_experts is not None and response.prompt_routed_experts is None:
-                response.prompt_routed_experts = c.prompt_routed_experts
             self.buffer.record(
                 c.response_id, c.token_ids, c.logprobs, c.versions, c.routed_experts, finish_reason=c.finish_reason,
-                offset=c.offset,
+                offset=c.offset, prompt_routes=c.prompt_routed_experts, prefix_routes=c.prefix_routed_experts,
             )
             self.ledger.generated_tokens += len(c.token_ids)
             self._longest_chunk = max(self._longest_chunk, len(c.token_ids))
@@ -299,7 +297,7 @@ class Loop:
         rewards = torch.tensor(np.stack([g.rewards for g in groups]))
         advantages = grpo_advantages(rewards, use_std=self.cfg.use_std).reshape(-1).numpy()
         responses = [r for g in groups for r in g.responses]
-        metrics = self.trainer.train_step(responses, advantages, self.cfg.temperature)
+        metrics = self.trainer.train_step(responses, advantages, self.cfg.temperature, self.version)
         self.version += 1
         tracked = [r.response_id for r in responses if r.response_id in self.on_engine]
         if tracked:
@@ -451,6 +449,11 @@ class Loop:
 
 def _trained_ops(responses: Sequence[Response], metrics: dict) -> dict[str, float]:
     """Mean OPS of the trained tokens against the policy that trained on them (the trainer's recomputed old
-    log-probs against the engine's), the figure partial rollout lets grow and verification keeps small."""
-    value = metrics.get("mismatch_ops_mean")
-    return {"trained_ops_mean": float(value)} if value is not None and math.isfinite(float(value)) else {}
+    log-probs against the engine's, over its own tokens' mismatch and older tokens' drift alike), the figure
+    partial rollout lets grow and verification keeps small."""
+    parts = [(float(metrics.get(f"{k}_tokens", 0.0)), metrics.get(f"{k}_ops_mean")) for k in ("mismatch", "drift")]
+    n = sum(t for t, v in parts if v is not None)
+    if not n:
+        return {}
+    value = sum(t * float(v) for t, v in parts if v is not None) / n
+    return {"trained_ops_mean": value} if math.isfinite(value) else {}

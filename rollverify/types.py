@@ -41,7 +41,9 @@ class Response:
                              *produced* each token (sequence position prompt_len + j - 1), i.e. exactly the
                              routes needed to recompute that token's log-prob; cut together with the tokens.
     ``prompt_routed_experts`` [prompt_len - 1, layers, top_k] holds the routes of the remaining prompt
-    positions, so that prompt + response routes cover the trainer's forward pass.
+    positions, so that prompt + response routes cover the trainer's forward pass. Every route is the one of the
+    engine's latest forward over its position: when the engine re-prefills the prompt and a kept prefix
+    (resuming under new weights), ``reroute`` replaces theirs.
     """
 
     group_id: int
@@ -150,6 +152,22 @@ class Response:
                 f"{self.routed_experts.shape[2]}], got {list(new.shape)}"
             )
         return np.concatenate([self.routed_experts, new])
+
+    def reroute(self, prompt_routes: np.ndarray | None, prefix_routes: np.ndarray | None = None) -> None:
+        """The engine re-prefilled the prompt and the first ``len(prefix_routes)`` tokens: their routes replace
+        the recorded ones (the tokens, log-probs and versions stay)."""
+        if prompt_routes is not None:
+            self.prompt_routed_experts = _array(prompt_routes, np.int32, "prompt_routed_experts", ndim=3)
+        if prefix_routes is None:
+            return
+        new = _array(prefix_routes, np.int32, "prefix_routed_experts", ndim=3)
+        if self.routed_experts is None or len(new) > self.num_tokens:
+            held = "no routes" if self.routed_experts is None else f"{self.num_tokens} tokens"
+            raise ValueError(f"response {self.response_id}: {len(new)} re-prefilled routes, but it holds {held}")
+        if new.shape[1:] != self.routed_experts.shape[1:]:
+            raise ValueError(f"prefix_routed_experts must be [tokens, {self.routed_experts.shape[1]}, "
+                             f"{self.routed_experts.shape[2]}], got {list(new.shape)}")
+        self.routed_experts = np.concatenate([new, self.routed_experts[len(new):]])
 
     def truncate(self, keep_len: int) -> int:
         """Keep the first ``keep_len`` generated tokens (all per-token fields); return the tokens cut.

@@ -27,6 +27,7 @@ from sglang_ext.protocol import (
     OutputBatch,
     ProtocolError,
     WireSamplingParams,
+    concat,
     decode,
     encode,
 )
@@ -323,13 +324,13 @@ def _encode_submit(requests: Sequence[SubmitRequest], sampling, expect_version) 
     if expect_version is not None:
         body["expect_version"] = int(expect_version)
     arrays: dict[str, np.ndarray] = {
-        "prompt_ids": _cat([np.asarray(r.prompt_ids, np.int32) for r in requests], np.int32),
-        "prefix_ids": _cat([np.asarray(r.prefix_ids, np.int32) for r in requests], np.int32),
+        "prompt_ids": concat([np.asarray(r.prompt_ids, np.int32) for r in requests], np.int32),
+        "prefix_ids": concat([np.asarray(r.prefix_ids, np.int32) for r in requests], np.int32),
     }
     for key, dtype in (("prefix_logprobs", np.float32), ("prefix_versions", np.int32)):
         vals = [getattr(r, key) for r in requests]
         if any(v is not None for v in vals):
-            arrays[key] = _cat(
+            arrays[key] = concat(
                 [
                     np.asarray(v, dtype)
                     if v is not None
@@ -343,7 +344,3 @@ def _encode_submit(requests: Sequence[SubmitRequest], sampling, expect_version) 
         if all(v is not None for v in vals) and vals:
             arrays[key] = np.concatenate(vals)
     return body, arrays
-
-
-def _cat(parts: list[np.ndarray], dtype) -> np.ndarray:
-    return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)

@@ -614,10 +614,12 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 class Output:
     """Generated tokens of one response from index `offset` on (a delta, or the whole cache for fetch).
 
-    `routed_experts[j]` are the routes of the forward position whose output distribution sampled token
-    `offset + j` (input position prompt_len + offset + j - 1). `prompt_routed_experts` (only in the first
-    delta of a response submitted without a prefix) cover input positions 0 .. prompt_len - 2, so together
-    they cover every input position of prompt + tokens[:-1], which is what routing replay needs.
+    `routed_experts[j]` are the routes of the engine's latest forward over input position
+    prompt_len + offset + j - 1 (the one whose output distribution sampled token `offset + j`).
+    `prompt_routed_experts` (input positions 0 .. prompt_len - 2) and `prefix_routed_experts` (tokens
+    0 .. offset - 1) come when the engine re-prefilled those positions (a launch under new weights) and
+    supersede what the controller holds for them; with them every input position of prompt + tokens[:-1] has
+    the routes of its latest forward, which is what routing replay needs.
     """
 
     rid: str
@@ -629,6 +631,7 @@ class Output:
     finish_reason: str | None = None  # None: still live (paused); else stop | length | error
     routed_experts: np.ndarray | None = None  # [n, layers, top_k]
     prompt_routed_experts: np.ndarray | None = None  # [prompt_len - 1, layers, top_k]
+    prefix_routed_experts: np.ndarray | None = None  # [offset, layers, top_k]
     seq: int | None = None  # event sequence number (events only)
     error: str | None = None
     matched_stop: int | None = None
@@ -658,9 +661,9 @@ def encode_outputs(
         "offsets": np.fromiter((o.offset for o in outputs), np.int32, len(outputs)),
         "counts": np.fromiter((len(o.token_ids) for o in outputs), np.int32, len(outputs)),
         "totals": np.fromiter((o.total_len for o in outputs), np.int32, len(outputs)),
-        "token_ids": _cat([o.token_ids for o in outputs], np.int32),
-        "logprobs": _cat([o.logprobs for o in outputs], np.float32),
-        "versions": _cat([o.versions for o in outputs], np.int32),
+        "token_ids": concat([o.token_ids for o in outputs], np.int32),
+        "logprobs": concat([o.logprobs for o in outputs], np.float32),
+        "versions": concat([o.versions for o in outputs], np.int32),
     }
     if seqs or any(o.seq is not None for o in outputs):
         arrays["seqs"] = np.fromiter(
@@ -673,18 +676,16 @@ def encode_outputs(
         arrays["routed_experts"] = np.concatenate(routes)
     elif route_shape is not None and not outputs:
         arrays["routed_experts"] = np.zeros((0, route_shape.layers, route_shape.top_k), route_shape.dtype)
-    prompt_routes = [o.prompt_routed_experts for o in outputs if o.prompt_routed_experts is not None]
-    if prompt_routes:
-        arrays["prompt_route_rows"] = np.fromiter(
-            (-1 if o.prompt_routed_experts is None else len(o.prompt_routed_experts) for o in outputs),
-            np.int32,
-            len(outputs),
-        )
-        arrays["prompt_routed_experts"] = np.concatenate(prompt_routes)
+    for name in ("prompt", "prefix"):
+        parts = [getattr(o, f"{name}_routed_experts") for o in outputs]
+        if any(p is not None for p in parts):
+            arrays[f"{name}_route_rows"] = np.fromiter((-1 if p is None else len(p) for p in parts), np.int32, len(parts))
+            arrays[f"{name}_routed_experts"] = np.concatenate([p for p in parts if p is not None])
     return body, arrays
 
 
-def _cat(parts: list[np.ndarray], dtype) -> np.ndarray:
+def concat(parts: list[np.ndarray], dtype) -> np.ndarray:
+    """`parts` end to end as `dtype` (no copy of a single part already of it); empty when there are none."""
     if not parts:
         return np.zeros(0, dtype=dtype)
     return np.concatenate(parts).astype(dtype, copy=False)
@@ -713,6 +714,7 @@ class OutputBatch:
     finish: list[str | None]  # per entry: stop | length | error, None while live
     seqs: np.ndarray | None = None  # int64 [R], events only (-1: none)
     prompt_routes: dict[int, np.ndarray] = field(default_factory=dict)  # entry -> [prompt_len - 1, L, K]
+    prefix_routes: dict[int, np.ndarray] = field(default_factory=dict)  # entry -> [offset, L, K]
     errors: dict[int, str] = field(default_factory=dict)
     matched_stop: dict[int, int] = field(default_factory=dict)
 
@@ -736,8 +738,6 @@ class OutputBatch:
         lps = msg.array("logprobs", ["float32"], 1)
         vers = msg.array("versions", ["int32"], 1)
         routes = msg.array("routed_experts", ROUTE_DTYPES, 3, required=False)
-        prows = msg.array("prompt_route_rows", ["int32"], 1, required=False)
-        proutes = msg.array("prompt_routed_experts", ROUTE_DTYPES, 3, required=False)
         finish = msg.body.get("finish") or [None] * r
         bounds = np.zeros(r + 1, np.int64)
         np.cumsum(counts, out=bounds[1:])
@@ -749,16 +749,12 @@ class OutputBatch:
             not sizes_ok
             or not (len(ids) == len(lps) == len(vers) == total)
             or (routes is not None and len(routes) != total)
-            or (prows is not None and (len(prows) != r or proutes is None))
         ):
             raise ProtocolError(ErrorCode.MALFORMED, "output buffers do not match the item counts")
-        prompt_routes: dict[int, np.ndarray] = {}
-        if prows is not None and proutes is not None:
-            ends = np.cumsum(np.maximum(prows, 0))
-            if ends[-1:].sum() != len(proutes):
-                raise ProtocolError(ErrorCode.MALFORMED, "prompt_routed_experts do not match prompt_route_rows")
-            for i in np.flatnonzero(prows >= 0).tolist():  # first deltas only: a few per batch
-                prompt_routes[i] = proutes[ends[i] - prows[i] : ends[i]].copy()
+        prompt_routes = _entry_routes(msg, "prompt", r)
+        prefix_routes = _entry_routes(msg, "prefix", r)
+        if any(len(a) != offsets[i] for i, a in prefix_routes.items()):
+            raise ProtocolError(ErrorCode.MALFORMED, "prefix_route_rows must equal the entries' offsets")
         return cls(
             rids=rids,
             offsets=offsets.copy(),
@@ -771,6 +767,7 @@ class OutputBatch:
             finish=finish,
             seqs=None if seqs is None else seqs.copy(),
             prompt_routes=prompt_routes,
+            prefix_routes=prefix_routes,
             errors={int(k): v for k, v in msg.body.get("errors", {}).items()},
             matched_stop={int(k): v for k, v in msg.body.get("matched_stop", {}).items()},
         )
@@ -789,6 +786,7 @@ class OutputBatch:
             finish_reason=self.finish[i],
             routed_experts=None if self.routed_experts is None else self.routed_experts[sl],
             prompt_routed_experts=self.prompt_routes.get(i),
+            prefix_routed_experts=self.prefix_routes.get(i),
             seq=seq,
             error=self.errors.get(i),
             matched_stop=self.matched_stop.get(i),
@@ -796,6 +794,22 @@ class OutputBatch:
 
     def outputs(self) -> list[Output]:
         return [self.output(i) for i in range(len(self))]
+
+
+def _entry_routes(msg: Message, name: str, r: int) -> dict[int, np.ndarray]:
+    """Entry -> its `{name}_routed_experts` rows (`{name}_route_rows` per entry, -1: none), copied."""
+    rows = msg.array(f"{name}_route_rows", ["int32"], 1, required=False)
+    flat = msg.array(f"{name}_routed_experts", ROUTE_DTYPES, 3, required=False)
+    if rows is None:
+        if flat is not None:
+            raise ProtocolError(ErrorCode.MALFORMED, f"{name}_routed_experts without {name}_route_rows")
+        return {}
+    if len(rows) != r or flat is None:
+        raise ProtocolError(ErrorCode.MALFORMED, "output buffers do not match the item counts")
+    ends = np.cumsum(np.maximum(rows, 0))
+    if ends[-1:].sum() != len(flat):
+        raise ProtocolError(ErrorCode.MALFORMED, f"{name}_routed_experts do not match {name}_route_rows")
+    return {i: flat[ends[i] - rows[i] : ends[i]].copy() for i in np.flatnonzero(rows >= 0).tolist()}
 
 
 def route_dtype(num_experts: int) -> np.dtype:

@@ -185,8 +185,9 @@ class Records:
         rec.launch_version = self.version
         routes_start = None
         if self.route_shape is not None:
-            # routes of the positions that will sample new tokens; from 0 when the prompt's own are still unknown
-            routes_start = 0 if (rec.prompt_routes is None and n == 0) else len(rec.prompt) + n - 1
+            # the positions that will sample new tokens; from 0 (the re-prefilled prompt and prefix too) when
+            # the held routes are not all this version's forwards'
+            routes_start = 0 if rec.routes_version != self.version else len(rec.prompt) + n - 1
         sampling = dict(rec.sampling_args)
         sampling["max_new_tokens"] = rec.remaining
         input_ids = np.concatenate([rec.prompt, rec.tokens]).tolist()
@@ -233,18 +234,24 @@ class Records:
             self.finish(rec, "error", res.error or f"the engine ended the request ({res.finish_type})")
 
     def _generated_routes(self, rec: Record, res: Any, routes_start: int | None) -> np.ndarray | None:
-        """The routes of the generated tokens (None: unknown); a request from position 0 also sets the prompt's."""
+        """The routes of the generated tokens (None: unknown). A request whose routes start at 0 also re-captured
+        the prompt's and the kept prefix's, which replace the held ones once a forward really ran (a token was
+        sampled); a request aborted before that leaves them as they were, to be re-captured at the next launch."""
         rs = self.route_shape
         if rs is None or res.routes is None:
             return None
         m = len(res.output_ids)
         routes = res.routes
         if routes_start == 0:
-            p = len(rec.prompt) - 1
-            if m >= 1 and routes.shape[0] == p + m:
-                rec.prompt_routes = routes[:p].astype(rs.dtype)
-            routes = routes[p:] if routes.shape[0] >= p else routes[:0]
-        if routes.shape[0] == m and routes.shape[1:] == (rs.layers, rs.top_k):
+            p, k = len(rec.prompt) - 1, rec.launch_len
+            if m == 0 or routes.shape != (p + k + m, rs.layers, rs.top_k):
+                if m:
+                    log.warning("response %s: %s routes for %d positions; recorded as unknown", rec.rid,
+                                routes.shape, p + k + m)
+                return None
+            rec.reroute(routes[:p], routes[p : p + k], rec.launch_version)
+            routes = routes[p + k :]
+        if routes.shape == (m, rs.layers, rs.top_k):
             return routes
         log.warning("response %s: %s routes for %d tokens; recorded as unknown", rec.rid, routes.shape, m)
         return None

@@ -322,7 +322,8 @@ class SGLangRolloutEngine:
             a, b = bounds[i], bounds[i + 1]
             chunks.append(Chunk(rid, batch.token_ids[a:b], batch.logprobs[a:b], versions[a:b],
                                 None if routes is None else routes[a:b], batch.finish[i],
-                                batch.prompt_routes.get(i), batch.errors.get(i), offsets[i]))
+                                batch.prompt_routes.get(i), batch.errors.get(i), offsets[i],
+                                batch.prefix_routes.get(i)))
         return chunks
 
     def _push(self, buckets: Iterable[Iterable[tuple[str, Any]]], version: int, servers: list[ServerSlot]) -> None:

@@ -7,6 +7,10 @@ marks what the controller already holds, so every generated token is delivered e
 Each engine request's output is kept as one segment and joined only when needed (a launch, a truncation,
 a fetch): the delta a pause or a finish reports is normally the last segment itself, so reporting copies
 nothing, and `pack_deltas` concatenates a whole pause's deltas into the reply's arrays in one pass per column.
+
+Routes (MoE) are those of the engine's latest forward over each position: a launch under weights other than
+the ones every held route came from (`routes_version`) asks SGLang for the routes of the whole sequence, and
+the re-prefilled prompt and prefix routes replace the held ones (`reroute`); the next delta reports them again.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from sglang_ext.protocol import Output, WireSamplingParams
+from sglang_ext.protocol import Output, WireSamplingParams, encode_outputs
 
 
 class State(StrEnum):
@@ -48,13 +52,17 @@ class Record:
     sampling_args: dict[str, Any] = field(default_factory=dict)  # SGLang sampling params, shared per submit
     segments: list[Segment] = field(default_factory=list)
     n: int = 0
-    prompt_routes: np.ndarray | None = None  # [prompt_len - 1, layers, top_k], from the first prefill
+    prompt_routes: np.ndarray | None = None  # [prompt_len - 1, layers, top_k], from the latest prefill
+    # the weights version of the forwards every held route comes from; None: not one version (a submitted
+    # prefix's routes, or no routes yet), so the next launch re-captures them all
+    routes_version: int | None = None
     state: State = State.PAUSED
     finish_reason: str | None = None
     matched_stop: int | None = None
     error: str | None = None
     reported: int = 0  # tokens[:reported] are already with the controller
-    prompt_routes_reported: bool = False
+    # the prompt's routes and those of tokens[:reported] changed since the controller last got them
+    rerouted: bool = False
     launches: int = 0
     task: asyncio.Task | None = field(default=None, repr=False)
     launch_len: int = 0  # len(tokens) when the in-flight engine request was launched
@@ -134,6 +142,18 @@ class Record:
         )
         self.n += n
 
+    def reroute(self, prompt_routes: np.ndarray, prefix_routes: np.ndarray, version: int) -> None:
+        """The engine re-prefilled the prompt and the first len(prefix_routes) tokens under `version`: their
+        routes replace the held ones (new arrays: queued events keep views of the old)."""
+        k = len(prefix_routes)
+        if self.route_shape is None or k > self.n:
+            raise ValueError(f"response {self.rid}: {k} re-prefilled routes for {self.n} tokens")
+        ids, lps, vers, routes = self._joined()
+        self.segments = [(ids, lps, vers, np.concatenate([prefix_routes.astype(self.route_shape.dtype), routes[k:]]))]
+        self.prompt_routes = prompt_routes.astype(self.route_shape.dtype)
+        self.routes_version = version
+        self.rerouted = True
+
     def truncate(self, keep: int) -> None:
         """Cut to the first `keep` generated tokens; a finished response cut short becomes live again."""
         if not 0 <= keep <= self.n:
@@ -155,8 +175,12 @@ class Record:
             self.state = State.PAUSED
             self.finish_reason = self.matched_stop = self.error = None
 
-    def _output(self, start: int, with_prompt_routes: bool, seq: int | None) -> Output:
+    def _output(self, start: int, with_routes_before: bool, seq: int | None) -> Output:
+        """Tokens from `start` on; `with_routes_before`: also the prompt's routes and those of tokens[:start]."""
         ids, lps, vers, routes = self._tail(start)
+        prefix_routes = None
+        if with_routes_before and start and self.route_shape is not None:
+            prefix_routes = self._joined()[3][:start]
         return Output(
             rid=self.rid,
             offset=start,
@@ -166,30 +190,20 @@ class Record:
             total_len=self.n,
             finish_reason=self.finish_reason if self.state is State.FINISHED else None,
             routed_experts=routes,
-            prompt_routed_experts=self.prompt_routes if with_prompt_routes else None,
+            prompt_routed_experts=self.prompt_routes if with_routes_before else None,
+            prefix_routed_experts=prefix_routes,
             seq=seq,
             error=self.error,
             matched_stop=self.matched_stop,
         )
 
     def take_delta(self, seq: int | None = None) -> Output:
-        """What the controller has not seen yet; marks it seen."""
-        out = self._output(
-            self.reported, not self.prompt_routes_reported and self.prompt_routes is not None, seq
-        )
+        """What the controller has not seen yet (new tokens, and routes that superseded what it holds); marks
+        it seen."""
+        out = self._output(self.reported, self.rerouted, seq)
         self.reported = self.n
-        if self.prompt_routes is not None:
-            self.prompt_routes_reported = True
+        self.rerouted = False
         return out
-
-    def take_columns(self) -> tuple[Segment, np.ndarray | None]:
-        """`take_delta` without the Output: the unseen columns and the prompt routes not yet reported."""
-        seg = self._tail(self.reported)
-        self.reported = self.n
-        prompt_routes = None
-        if self.prompt_routes is not None and not self.prompt_routes_reported:
-            prompt_routes, self.prompt_routes_reported = self.prompt_routes, True
-        return seg, prompt_routes
 
     def snapshot(self) -> Output:
         """The whole cached response (fetch); changes nothing."""
@@ -197,57 +211,10 @@ class Record:
 
 
 def pack_deltas(records: list[Record], route_shape: RouteShape | None) -> tuple[dict, dict[str, np.ndarray]]:
-    """Every record's output since its last report, marked reported, as one output batch (the layout of
-    `protocol.encode_outputs`): per-token columns concatenated once straight from the records' segments, the
-    per-response integers from one list each. Per record it only reads its tail segment (normally its last one,
-    no copy); nothing per token runs in Python."""
-    rids, offsets, totals, finish = [], [], [], []
-    ids, lps, vers, routes = [], [], [], []
-    prompt_rows, prompt_routes = [], []
-    for rec in records:
-        rids.append(rec.rid)
-        offsets.append(rec.reported)
-        totals.append(rec.n)
-        finish.append(rec.finish_reason if rec.state is State.FINISHED else None)
-        (i, lp, v, ro), pr = rec.take_columns()
-        ids.append(i)
-        lps.append(lp)
-        vers.append(v)
-        routes.append(ro)
-        prompt_rows.append(-1 if pr is None else len(pr))
-        if pr is not None:
-            prompt_routes.append(pr)
-    body: dict[str, Any] = {"rids": rids}
-    if any(f is not None for f in finish):
-        body["finish"] = finish
-        errors = {str(k): r.error for k, r in enumerate(records) if r.error is not None}
-        stops = {str(k): r.matched_stop for k, r in enumerate(records) if r.matched_stop is not None}
-        if errors:
-            body["errors"] = errors
-        if stops:
-            body["matched_stop"] = stops
-    offs = np.array(offsets, np.int32)
-    tots = np.array(totals, np.int32)
-    arrays: dict[str, np.ndarray] = {
-        "offsets": offs,
-        "counts": tots - offs,
-        "totals": tots,
-        "token_ids": _cat(ids, np.int32),
-        "logprobs": _cat(lps, np.float32),
-        "versions": _cat(vers, np.int32),
-    }
-    if route_shape is not None:
-        arrays["routed_experts"] = (
-            np.concatenate(routes) if routes else np.zeros((0, route_shape.layers, route_shape.top_k), route_shape.dtype)
-        )
-    if prompt_routes:
-        arrays["prompt_route_rows"] = np.array(prompt_rows, np.int32)
-        arrays["prompt_routed_experts"] = np.concatenate(prompt_routes)
-    return body, arrays
-
-
-def _cat(parts: list[np.ndarray], dtype) -> np.ndarray:
-    return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
+    """Every record's output since its last report, marked reported, as one output batch: each delta is a
+    view of the record's tail segment (normally its last one, no copy), and `encode_outputs` concatenates them
+    once per column; nothing per token runs in Python."""
+    return encode_outputs([rec.take_delta() for rec in records], route_shape=route_shape)
 
 
 def _join(parts: list[Segment], rs: RouteShape | None, skip: int) -> Segment:
@@ -289,7 +256,6 @@ def new_record(
         prompt_routes=None
         if prompt_routes is None or route_shape is None
         else prompt_routes.astype(route_shape.dtype),
-        prompt_routes_reported=prompt_routes is not None,
     )
     if n:
         routes = None

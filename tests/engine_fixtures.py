@@ -83,6 +83,8 @@ class Tracked:
             self.routed_experts = out.routed_experts if old is None else np.concatenate([old, out.routed_experts])
         if out.prompt_routed_experts is not None:
             self.prompt_routed_experts = out.prompt_routed_experts
+        if out.prefix_routed_experts is not None:  # the engine re-prefilled the kept prefix
+            self.routed_experts = np.concatenate([out.prefix_routed_experts, self.routed_experts[out.offset :]])
         self.finish_reason = out.finish_reason
 
     def truncate(self, keep: int) -> None:

@@ -122,7 +122,8 @@ class ScriptedTrainer:
     def compute_logprobs(self, responses, temperature):
         return [r.logprobs + self.drift * (self.version - r.versions) for r in responses]
 
-    def train_step(self, responses, advantages, temperature):
+    def train_step(self, responses, advantages, temperature, policy_version):
+        assert policy_version == self.version
         assert all(r.finished for r in responses)
         assert len(advantages) == len(responses)
         self.steps.append(len(responses))

@@ -129,16 +129,17 @@ def test_outputs_pack_into_constant_frames():
             total_len=i + n,
             finish_reason=None if i % 2 else "stop",
             routed_experts=rng.integers(0, 8, (n, 2, 2)).astype(np.uint8),
-            prompt_routed_experts=rng.integers(0, 8, (3, 2, 2)).astype(np.uint8) if i == 0 else None,
+            prompt_routed_experts=rng.integers(0, 8, (3, 2, 2)).astype(np.uint8) if i in (0, 2) else None,
+            prefix_routed_experts=rng.integers(0, 8, (i, 2, 2)).astype(np.uint8) if i == 2 else None,
             seq=i,
         )
         for i, n in enumerate([0, 5, 3, 9])
     ]
     body, arrays = encode_outputs(outs)
     frames = _frames(Header(proto=1, id=1, type="pause", ok=True, body=body), arrays)
-    # header + per-item ints (offsets, counts, totals, seqs, prompt route rows) + per-token arrays (ids,
-    # log-probs, versions, routes, prompt routes): the same number of frames whatever the count
-    assert len(frames) == 1 + 10
+    # header + per-item ints (offsets, counts, totals, seqs, prompt and prefix route rows) + per-token arrays
+    # (ids, log-probs, versions, routes, prompt and prefix routes): the same number of frames whatever the count
+    assert len(frames) == 1 + 12
     back = OutputBatch.decode(decode(frames)).outputs()
     for a, b in zip(outs, back, strict=True):
         assert (a.rid, a.offset, a.total_len, a.finish_reason, a.seq) == (
@@ -150,7 +151,14 @@ def test_outputs_pack_into_constant_frames():
         )
         for f in ("token_ids", "logprobs", "versions", "routed_experts"):
             assert np.array_equal(getattr(a, f), getattr(b, f))
-        assert (a.prompt_routed_experts is None) == (b.prompt_routed_experts is None)
+        for f in ("prompt_routed_experts", "prefix_routed_experts"):
+            assert (getattr(a, f) is None) == (getattr(b, f) is None)
+            assert getattr(a, f) is None or np.array_equal(getattr(a, f), getattr(b, f))
+    arrays["prefix_route_rows"] = np.array([-1, -1, 1, -1], np.int32)  # rows that do not reach the entry's offset
+    arrays["prefix_routed_experts"] = arrays["prefix_routed_experts"][:1]
+    with pytest.raises(ProtocolError, match="offsets") as e:
+        OutputBatch.decode(decode(_frames(Header(proto=1, id=1, type="pause", ok=True, body=body), arrays)))
+    assert e.value.code == ErrorCode.MALFORMED
 
 
 def test_record_cuts_all_fields_together_and_reports_each_token_once():
@@ -274,10 +282,9 @@ class Recorder:
         for c in chunks:
             r = self.buffer.get(c.response_id)
             assert c.finish_reason is None or c.response_id not in self.finished, f"{c.response_id} finished twice"
-            if c.prompt_routed_experts is not None and r.prompt_routed_experts is None:
-                r.prompt_routed_experts = c.prompt_routed_experts
             self.buffer.record(c.response_id, c.token_ids, c.logprobs, c.versions, c.routed_experts,
-                               finish_reason=c.finish_reason, offset=c.offset)
+                               finish_reason=c.finish_reason, offset=c.offset, prompt_routes=c.prompt_routed_experts,
+                               prefix_routes=c.prefix_routed_experts)
             if r.finished:
                 self.finished[c.response_id] = r.num_tokens
         return list(chunks)
@@ -413,6 +420,43 @@ def test_fake_resume_reproduces_continuous_generation():
         a, b = buffer.get("0-0"), buffer.get("0-1")
         assert np.array_equal(a.token_ids, b.token_ids) and np.array_equal(a.logprobs, b.logprobs)
         assert np.array_equal(a.routed_experts, b.routed_experts)
+
+
+def test_fake_routes_are_those_of_the_latest_forward_after_a_weight_update():
+    """A response resumed under new weights is re-prefilled: the routes of its prompt and of its kept prefix
+    come back and replace the held ones, so every position the trainer replays has the routes of the engine's
+    latest forward (those that computed the KV its later tokens were sampled from). A resume under the same
+    weights sends none again."""
+    import torch
+
+    fake = FakeEngine(step_s=0.002)
+    with FakeServer(fake) as s, SGLangRolloutEngine([s.endpoint], poll_wait_s=0.1) as engine:
+        buffer = RolloutBuffer()
+        buffer.add_group(Group.new(0, [7, 8, 9], 2, 400))
+        rec = Recorder(buffer)
+        engine.submit(buffer.pending(), IGNORE_EOS)
+        time.sleep(0.03)
+        first = rec.take(engine.pause())
+        assert all(c.prompt_routed_experts is not None and c.prefix_routed_experts is None for c in first)
+        keep = {"0-1": buffer.get("0-1").num_tokens // 2}
+        buffer.apply_truncation(keep)
+        engine.truncate(keep)
+        held = {r.response_id: r.num_tokens for r in buffer.pending()}
+        engine.update_weights(iter([[("lm_head.weight", torch.ones(128, 8))]]), version=1)  # new routes
+        engine.resume()
+        time.sleep(0.03)
+        after = rec.take(engine.pause())
+        assert {c.response_id: len(c.prefix_routed_experts) for c in after} == held
+        for r in buffer.pending():
+            seq = np.concatenate([r.prompt_ids, r.token_ids])
+            want = np.stack([fake.route(p, seq[p]) for p in range(len(seq) - 1)])
+            assert np.array_equal(np.concatenate([r.prompt_routed_experts, r.routed_experts]), want), r.response_id
+            assert (r.versions[: held[r.response_id]] == 0).all() and (r.versions[held[r.response_id]:] == 1).all()
+        engine.resume()  # same weights: the held routes are the latest forward's already
+        time.sleep(0.03)
+        again = rec.take(engine.pause())
+        assert again and all(c.prompt_routed_experts is None and c.prefix_routed_experts is None for c in again)
+        assert same_as_server(buffer, s.endpoint) == 2
 
 
 def test_fake_bad_input_keeps_serving():

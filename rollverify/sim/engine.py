@@ -336,7 +336,9 @@ class SimTrainer:
         progress = self.version / self.total_steps
         return [self.drift.new_logprobs(self.seed, r, self.version, progress, self.unit) for r in responses]
 
-    def train_step(self, responses: Sequence[Response], advantages: np.ndarray, temperature: float) -> dict:
+    def train_step(
+        self, responses: Sequence[Response], advantages: np.ndarray, temperature: float, policy_version: int
+    ) -> dict:
         tokens = self._tokens(responses)
         self.trained_tokens += tokens
         self.clock.advance(self.cost.train(tokens), "train")
