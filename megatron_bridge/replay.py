@@ -2,7 +2,9 @@
 
 SGLang reports, per response, int32 `[P + G - 1, moe_layers, top_k]`: the experts of every position whose
 forward ran (all tokens but the last generated one), which is exactly the span the trainer feeds the model (see
-`batch`). Megatron-Core's RouterReplay takes, per micro-batch and per MoE layer in construction order, a
+`batch`); each position's are those of the engine's latest forward over it (a resume's re-prefill replaces the
+prompt's and the kept prefix's, docs/protocol.md), so the tokens the held weights sampled replay exactly the
+computation that sampled them. Megatron-Core's RouterReplay takes, per micro-batch and per MoE layer in construction order, a
 `[tokens, top_k]` index tensor in Megatron's sequence-major token order (position s of row b is token
 s * B + b of the [S, B] activations); the router then gathers its own probabilities at those experts (so
 gradients still reach the router) instead of taking its top-k.

@@ -305,6 +305,15 @@ PANELS = (
         "responses",
     ),
     (
+        "mismatch",
+        "Trained tokens: trainer vs engine log-probs",
+        [
+            ("train/mismatch_ops_mean", "mismatch (tokens of the trainer's weights)"),
+            ("train/drift_ops_mean", "drift (older tokens)"),
+        ],
+        "mean |p_train / p_engine - 1|",
+    ),
+    (
         "decode_iters",
         "Rollout decode iterations (hardware-neutral rollout time)",
         [("decode_iters", "decode iterations")],
@@ -356,10 +365,18 @@ def _figure(nrows: int = 1, ncols: int = 1, size: tuple[float, float] = (6.0, 3.
     return fig, [ax for row in axes for ax in row]
 
 
-def _draw_panel(ax, records, title, series, ylabel, switch) -> None:
+# panels whose series differ by orders of magnitude (the kernels' floor beside a policy's drift)
+LOG_PANELS = frozenset({"mismatch"})
+
+
+def _draw_panel(ax, records, title, series, ylabel, switch, log: bool = False) -> None:
     drawn = False
+    if log:
+        ax.set_yscale("log")
     for key, label in series:
         xs, ys = _series(records, key)
+        if log:
+            xs, ys = [x for x, y in zip(xs, ys, strict=True) if y > 0], [y for y in ys if y > 0]
         if xs:
             ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=label)
             drawn = True
@@ -376,19 +393,20 @@ def _draw_panel(ax, records, title, series, ylabel, switch) -> None:
 
 
 def plot_run(records: Sequence[Mapping[str, Any]], out_dir: str | Path) -> list[Path]:
-    """One PNG per panel (reward, entropy, OPS, acceptance, cuts, step time) and an overview with all of them."""
+    """One PNG per panel (reward, entropy, OPS, acceptance, cuts, mismatch, decode iterations, step time) and an
+    overview with all of them."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     switch = switch_step(records)
     paths = []
     for name, title, series, ylabel in PANELS:
         fig, (ax,) = _figure()
-        _draw_panel(ax, records, title, series, ylabel, switch)
+        _draw_panel(ax, records, title, series, ylabel, switch, log=name in LOG_PANELS)
         paths.append(out_dir / f"{name}.png")
         fig.savefig(paths[-1], dpi=100)
     fig, axes = _figure(2, 4, size=(5.0, 3.4))
-    for ax, (_, title, series, ylabel) in zip(axes, PANELS, strict=False):
-        _draw_panel(ax, records, title, series, ylabel, switch)
+    for ax, (name, title, series, ylabel) in zip(axes, PANELS, strict=False):
+        _draw_panel(ax, records, title, series, ylabel, switch, log=name in LOG_PANELS)
     for ax in axes[len(PANELS) :]:
         ax.set_visible(False)
     paths.append(out_dir / "overview.png")

@@ -98,11 +98,10 @@ def test_writer_files_and_plots(tmp_path):
     )
     assert summary["step_total_s"] == pytest.approx(7 * 1.8) and summary["tokens_generated"] == 7000
     assert summary["acceptance_rate_mean"] == pytest.approx(np.mean([0.9 - 0.05 * k for k in range(1, 7)]))
-    for name in ("reward", "entropy", "ops", "acceptance", "cuts", "decode_iters", "step_time", "overview"):
+    names = ("reward", "entropy", "ops", "acceptance", "cuts", "mismatch", "decode_iters", "step_time", "overview")
+    for name in names:
         _assert_png(tmp_path / "plots" / f"{name}.png")
-    assert sorted(summary["plots"]) == sorted(
-        f"plots/{n}.png" for n in ("reward", "entropy", "ops", "acceptance", "cuts", "decode_iters", "step_time", "overview")
-    )
+    assert sorted(summary["plots"]) == sorted(f"plots/{n}.png" for n in names)
     last = json.loads(lines[-1])
     assert last["verify/cut_by_seq_stage"] == 2.0 and last["verify/switch_estimate"] is None  # NaN -> null
     events = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))

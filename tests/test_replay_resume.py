@@ -1,0 +1,94 @@
+"""Routing replay across resumes, end to end: a real SGLang MoE server and the real Megatron-Core trainer.
+
+Every position the trainer recomputes replays the routes of the engine's latest forward over it (the resume's
+re-prefill for a carried prompt and prefix, docs/protocol.md), so the trainer's old log-probs equal the engine's
+to float32 rounding on every token sampled by the weights the trainer holds, over weight updates that carry,
+cut, restart and resume responses. Tokens of older versions measure the policy's drift (`train/drift_*`), not a
+mismatch. The same check at the public Qwen3-30B-A3B and Qwen3-0.6B per-layer shapes is the `slow` test below;
+through the Ray path, `tests/test_ray_cluster.py`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from engine_fixtures import SMALL_RUN
+
+from rollverify.config import load_config
+from rollverify.train import resolve_model, train
+
+pytestmark = [pytest.mark.engine, pytest.mark.megatron]
+
+# float32 engine and trainer agree to ~2e-6 per token (kernels' rounding); stale routes gave 1e-2 .. 2e-1
+FLOOR = 1e-5
+REWARD = f"{Path(__file__).with_name('replay_reward.py')}:score"
+RUN = [
+    *SMALL_RUN,
+    "model.task=null",
+    f"task.reward={REWARD}",
+    "rollout.n=4",
+    "rollout.max_new_tokens=64",
+    "rollout.max_live=16",  # 2x over B * n: the tail is carried over every step
+    "algo.mode=rollverify",
+    "eval.every=0",
+    "log.export_final=false",
+]
+
+
+def _server(*overrides: str):
+    from sglang_ext import cpu_compat
+    from sglang_ext.launch import launch_server
+
+    cpu_compat.activate()
+    cfg = load_config(None, [*RUN, *overrides])
+    return launch_server(resolve_model(cfg), engine_args=dict(cfg.rollout.engine_args))
+
+
+@pytest.fixture(scope="module")
+def moe_server():
+    with _server("model.moe=true") as sp:
+        yield sp
+
+
+def run_rows(server, out: Path, *overrides: str, steps: int = 4) -> list[dict]:
+    cfg = load_config(None, [*RUN, f"trainer.steps={steps}", f"rollout.endpoints=[\"{server.endpoint}\"]",
+                             *overrides])
+    train(cfg, out, progress=False)
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def check_replay_at_the_floor(rows: list[dict]) -> None:
+    """At every step the trainer's own-version tokens agree with the engine; across the run responses were
+    carried, restarted from the prompt and resumed from a kept prefix, and older tokens were trained."""
+    mismatch = [r["train/mismatch_abs_max"] for r in rows]
+    assert max(mismatch) < FLOOR, mismatch
+    assert all(r["train/mismatch_tokens"] > 0 for r in rows)
+    assert sum(r["verify/restarted"] for r in rows) > 0
+    assert sum(r["verify/kept_tokens"] for r in rows) > 0
+    drift = [r["train/drift_tokens"] for r in rows]
+    assert sum(drift) > 0, drift  # carried tokens reached training: the split had something to split
+    assert all(r["trained_ops_mean"] >= r["train/mismatch_ops_mean"] for r in rows if r["train/drift_tokens"])
+
+
+@pytest.mark.parametrize("verify_on", ["trainer", "engine"])
+def test_moe_replay_keeps_the_trainer_on_the_engine_across_resumes(moe_server, tmp_path, verify_on):
+    rows = run_rows(moe_server, tmp_path / verify_on, "model.moe=true", f"algo.verify_on={verify_on}")
+    check_replay_at_the_floor(rows)
+
+
+# public per-layer shapes, 2 layers (Qwen3-30B-A3B with 16 of its 128 experts; Qwen3-0.6B), random weights
+A3B_LAYER = ("model.tiny_overrides={hidden_size: 2048, num_heads: 32, num_kv_heads: 4, head_dim: 128, "
+             "moe_intermediate_size: 768, intermediate_size: 768, num_experts: 16, top_k: 8}")
+DENSE_06B_LAYER = ("model.tiny_overrides={hidden_size: 1024, num_heads: 16, num_kv_heads: 8, head_dim: 128, "
+                   "intermediate_size: 3072}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", [("model.moe=true", A3B_LAYER), ("model.moe=false", DENSE_06B_LAYER)],
+                         ids=["qwen3_30b_a3b_layer", "qwen3_0_6b_layer"])
+def test_replay_at_the_floor_at_real_layer_shapes(tmp_path, shape):
+    with _server(*shape) as server:
+        rows = run_rows(server, tmp_path / "run", *shape)
+    check_replay_at_the_floor(rows)
