@@ -1,7 +1,7 @@
 """The Ray launcher (`cluster.launcher: ray`) on a Ray cluster of two simulated nodes on this machine.
 
 One module-scoped cluster (`ray.cluster_utils.Cluster`: a driver-only head and two nodes of 3 CPUs, each with a
-custom resource naming it), stopped by the module. The run: the tiny model, a trainer of world size 2 (gloo) and
+custom resource naming it), stopped by the module. The run: the tiny MoE, a trainer of world size 2 (gloo) and
 two SGLang servers, one rank and one server on each node, 3 steps of `rollverify` with the exact ledger; server 1's
 actor is killed while it holds responses, and is restarted with the current policy and its responses resubmitted.
 The fault tests need no server: they stop in the placement, before anything starts.
@@ -13,6 +13,7 @@ import threading
 
 import pytest
 from engine_fixtures import SMALL_RUN
+from test_replay_resume import FLOOR, REWARD
 
 from rollverify.config import load_config
 
@@ -93,10 +94,13 @@ def _distributed_run(cfg, out):
 @pytest.mark.slow
 @pytest.mark.parametrize("verify_on", ["trainer", "engine"])
 def test_rollverify_steps_over_two_nodes_survive_a_killed_server(ray_cluster, tmp_path, verify_on):
+    """On the tiny MoE (routing replay on) with a reward that moves the weights: the trainer's ranks stay on the
+    engines' log-probs across resumes and a restarted server (tests/test_replay_resume.py's check)."""
     import ray
 
     cfg = load_config(None, [*SMALL, "trainer.steps=3", "algo.mode=rollverify", f"algo.verify_on={verify_on}",
-                             f"cluster.address={ray_cluster.address}"])
+                             f"cluster.address={ray_cluster.address}", "model.moe=true", "model.task=null",
+                             f"task.reward={REWARD}"])
     keys_before = _key_folders()
     run = _distributed_run(cfg, tmp_path)
     killed = threading.Event()
@@ -135,6 +139,9 @@ def test_rollverify_steps_over_two_nodes_survive_a_killed_server(ray_cluster, tm
         ledger = run.loop.ledger
         assert ledger.trained == 3 * 2 * 2  # steps x B x n
         assert [r.metrics["policy_version"] for r in rows] == [1, 2, 3]
+        mismatch = [r.metrics["train/mismatch_abs_max"] for r in rows]
+        assert max(mismatch) < FLOOR, mismatch
+        assert sum(r.metrics["train/drift_tokens"] for r in rows) > 0
         versions = [h["version"] for h in run.engine.health()]
         assert versions == [3, 3], versions  # the weights reached both servers, the restarted one included
         assert _key_folders() == keys_before  # the started servers' CURVE keys, the restarted one's too, are gone
