@@ -22,6 +22,7 @@ user "nobody" (the dropped-to user's name) or "same".
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -29,19 +30,23 @@ import pwd
 import selectors
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
 from rollverify.environment.limits import SandboxLimits, SandboxUnavailable
+from rollverify.environment.procscan import kill_leftovers
 
 CHILD_SOURCE = (Path(__file__).with_name("_sandbox_child.py")).read_text()
 SYSTEM_PYTHON = "/usr/bin/python3"
 READ_CHUNK = 1 << 16
+COLLECT_BYTES = 1 << 16
 # Time the parent waits for the pipes to close after the process group was killed.
 DRAIN_GRACE_S = 1.0
 
@@ -69,6 +74,7 @@ class SandboxResult:
     pid_namespace: str | None
     leftovers_killed: int = 0
     error: str | None = None
+    files: dict[str, str | None] = field(default_factory=dict)
     limits: SandboxLimits = field(default_factory=SandboxLimits)
 
     @property
@@ -160,12 +166,19 @@ class Sandbox:
             )
         return SYSTEM_PYTHON
 
-    def run(self, code: str, *, files: dict[str, str] | None = None) -> SandboxResult:
-        """Run `code` as a program (`main.py` in the call's folder, beside `files`); never raises for what it does."""
+    def run(
+        self, code: str, *, files: dict[str, str] | None = None, collect: Sequence[str] = ()
+    ) -> SandboxResult:
+        """Run `code` as a program (`main.py` in the call's folder, beside `files`); never raises for what it does.
+        The files named in `collect` are read back (up to COLLECT_BYTES each) into `SandboxResult.files` before the
+        folder is removed."""
         work = Path(tempfile.mkdtemp(prefix="rv-sandbox-", dir=self.limits.base_dir))
         try:
             self._populate(work, code, files or {})
-            return self._run_in(work)
+            result = self._run_in(work)
+            if collect:
+                result = dataclasses.replace(result, files={n: _read_back(work, n) for n in collect})
+            return result
         finally:
             _remove_tree(work)
 
@@ -370,83 +383,19 @@ def _killpg(pgid: int) -> None:
         pass
 
 
-def _proc_stat_pgid(pid: str) -> int | None:
+def _read_back(work: Path, name: str) -> str | None:
+    """A regular file the program left in its folder (no link followed out of it), or None."""
+    path = work / name
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return None
-    # Fields after the command name (which may hold spaces) start after the last ')': state, ppid, pgrp.
-    fields = stat[stat.rfind(")") + 2 :].split()
-    return int(fields[2]) if len(fields) > 2 else None
-
-
-def sandbox_processes(pgid: int, pid_namespace: str | None) -> list[int]:
-    """Live processes of a call: in its process group, or in its PID namespace (a scan of /proc, no cgroups)."""
-    if pid_namespace is not None and pid_namespace == os.readlink("/proc/self/ns/pid"):
-        raise ValueError(
-            f"refusing to scan PID namespace {pid_namespace}: it is the caller's own, not a sandbox's"
-        )
-    if pgid <= 1 or pgid == os.getpgrp():
-        raise ValueError(f"refusing to scan process group {pgid}: it is not a sandbox's")
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        if _proc_stat_pgid(pid) == pgid:
-            found.append(int(pid))
-            continue
-        if pid_namespace is not None:
-            try:
-                if os.readlink(f"/proc/{pid}/ns/pid") == pid_namespace:
-                    found.append(int(pid))
-            except OSError:
-                pass
-    protected = _ancestors()
-    return [p for p in found if p not in protected and _alive(p)]
-
-
-def _ancestors() -> set[int]:
-    """This process, its parents up to init, and init: never a sandbox's, whatever a scan finds."""
-    chain = {0, 1, os.getpid()}
-    pid = os.getppid()
-    while pid > 1 and pid not in chain:
-        chain.add(pid)
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                stat = f.read()
-            pid = int(stat[stat.rfind(")") + 2 :].split()[1])
-        except (OSError, ValueError, IndexError):
-            break
-    return chain
-
-
-def _alive(pid: int) -> bool:
-    """Running or sleeping, not a zombie waiting for its reaper."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    return stat[stat.rfind(")") + 2 :][:1] not in ("Z", "X", "")
-
-
-def kill_leftovers(pgid: int, pid_namespace: str | None, deadline_s: float = 2.0) -> int:
-    """SIGKILL what `sandbox_processes` finds until none is left or `deadline_s` passes; how many were found."""
-    killed: set[int] = set()
-    stop = time.monotonic() + deadline_s
-    while time.monotonic() < stop:
-        pids = sandbox_processes(pgid, pid_namespace)
-        if not pids:
-            break
-        for pid in pids:
-            killed.add(pid)
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        time.sleep(0.01)
-    return len(killed)
+        if not stat.S_ISREG(os.fstat(fd).st_mode) or work.resolve() not in path.resolve().parents:
+            return None
+        return os.read(fd, COLLECT_BYTES).decode("utf-8", errors="replace")
+    finally:
+        os.close(fd)
 
 
 def _remove_tree(path: Path) -> None:
