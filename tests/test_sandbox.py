@@ -301,11 +301,27 @@ def test_killing_its_parent_spares_the_caller(limits, check_clean):
 
 def test_a_process_that_leaves_the_group_does_not_outlive_the_call(limits, check_clean):
     code = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(600)\nprint('left')"
-    for ns in (True, False):
-        result = run(limits, code, network_namespace=ns)
-        assert result.ok and result.stdout == "left\n", result
-        assert result.wall_seconds < 10, "a detached child must not hold the call until its wall limit"
-        check_clean(result)
+    canary = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+    try:
+        for ns in (True, False):
+            result = run(limits, code, network_namespace=ns)
+            assert result.ok and result.stdout == "left\n", result
+            assert result.wall_seconds < 10, "a detached child must not hold the call until its wall limit"
+            # Without a namespace of its own the clean-up must stay inside the call: others' processes live on.
+            assert canary.poll() is None
+            check_clean(result)
+    finally:
+        canary.kill()
+        canary.wait()
+
+
+def test_the_leftover_scan_refuses_the_callers_own_group_and_namespace():
+    with pytest.raises(ValueError, match="caller's own"):
+        sandbox_processes(12345, os.readlink("/proc/self/ns/pid"))
+    with pytest.raises(ValueError, match="not a sandbox's"):
+        sandbox_processes(os.getpgrp(), None)
+    with pytest.raises(ValueError, match="not a sandbox's"):
+        sandbox_processes(1, None)
 
 
 def test_caller_goes_on_calling_after_hostile_runs(limits, check_clean):
