@@ -229,7 +229,7 @@ def test_writes_outside_the_folder_are_refused(limits, check_clean, tmp_path, ba
     shared = base_dir.parent / f"rv-sandbox-root-{os.getpid()}"
     shared.mkdir(mode=0o755)
     try:
-        targets = [str(shared / "owned"), str(tmp_path / "owned"), str(Path(sys.executable).parent / "owned")]
+        targets = [str(shared / "owned"), str(tmp_path / "owned"), str(base_dir / "owned")]
         code = (
             "import json, os\nout = {}\n"
             f"for target in {targets!r} + ['inside']:\n"
