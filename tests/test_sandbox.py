@@ -315,6 +315,15 @@ def test_a_process_that_leaves_the_group_does_not_outlive_the_call(limits, check
         canary.wait()
 
 
+def test_without_user_drop_or_namespaces_the_isolation_says_so(limits, check_clean):
+    # Benign code only: this is the fallback in which a program may do whatever its caller may.
+    result = run(limits, "import os\nprint(os.getuid())", user=None, network_namespace=False)
+    assert result.ok and int(result.stdout) == os.geteuid()
+    assert result.isolation == {"network": "none", "pid": "none", "user": "same", "python": sys.executable}
+    assert result.pid_namespace is None
+    check_clean(result)
+
+
 def test_the_leftover_scan_refuses_the_callers_own_group_and_namespace():
     with pytest.raises(ValueError, match="caller's own"):
         sandbox_processes(12345, os.readlink("/proc/self/ns/pid"))

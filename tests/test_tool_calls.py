@@ -191,11 +191,28 @@ def test_calls_run_concurrently_while_the_caller_goes_on():
     assert elapsed < n * 0.3 / 2, f"{n} calls of 0.3 s took {elapsed:.2f} s"
 
 
-def test_the_pool_bounds_how_many_run_at_once():
-    tool = SleepTool(seconds=0.1)
-    with ToolRunner(ToolRegistry([tool]), ToolConfig(max_workers=2, time_limit_s=5)) as runner:
-        results = runner.run_all([call("sleep", i) for i in range(6)])
-    assert all(r.ok for r in results) and tool.peak == 2
+def test_the_pool_bounds_how_many_run_at_once_and_queued_calls_do_not_time_out():
+    tool = SleepTool(seconds=0.2)
+    # Eight calls of 0.2 s on two threads take 0.8 s, past the 0.6 s deadline if it counted from submit: only a
+    # deadline counted from each call's own start lets the last queued ones succeed.
+    with ToolRunner(ToolRegistry([tool]), ToolConfig(max_workers=2, time_limit_s=0.5, grace_s=0.1)) as runner:
+        results = runner.run_all([call("sleep", i) for i in range(8)])
+    assert [r.error for r in results] == [None] * 8 and tool.peak == 2
+    assert max(r.seconds for r in results) >= 0.6
+
+
+def test_closing_the_runner_resolves_queued_calls():
+    tool = SleepTool(seconds=60)
+    runner = ToolRunner(ToolRegistry([tool]), ToolConfig(max_workers=1, time_limit_s=60))
+    running, queued = runner.submit(call("sleep", 0)), runner.submit(call("sleep", 1))
+    deadline = time.monotonic() + 5
+    while not tool.running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    runner.close(wait=False)
+    assert queued.result(timeout=5).text == "error: the tool runner was closed"
+    assert running.result(timeout=5).error == "closed"
+    tool.release.set()
+    assert runner.submit(call("sleep", 2)).result(timeout=5).text == "error: the tool runner was closed"
 
 
 def test_errors_and_time_outs_become_environment_text_delivered_once():

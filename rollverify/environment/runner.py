@@ -71,7 +71,8 @@ class ToolConfig:
 @dataclass(frozen=True)
 class ToolResult:
     """One call's outcome. `text` is the environment text for the call (truncated to the caps); `error` is None,
-    "malformed", "unknown_tool", "bad_arguments", "tool_error", "tool_crashed" or "timeout"."""
+    "malformed", "unknown_tool", "bad_arguments", "tool_error", "tool_crashed", "timeout" or "closed"; `seconds` runs from
+    submit to result (time queued for a pool thread included)."""
 
     call: ParsedCall
     text: str
@@ -107,6 +108,9 @@ class ToolRunner:
             )
         self.count_tokens = count_tokens
         self._pool = ThreadPoolExecutor(max_workers=self.config.max_workers, thread_name_prefix="rv-tool")
+        # Calls submitted and not yet resolved: close() resolves them, so no future is left waiting.
+        self._unresolved: dict[Future[ToolResult], Callable[[], None]] = {}
+        self._unresolved_lock = threading.Lock()
 
     def __enter__(self) -> ToolRunner:
         return self
@@ -115,7 +119,12 @@ class ToolRunner:
         self.close()
 
     def close(self, wait: bool = True) -> None:
+        """Stop taking calls; queued calls resolve as closed, running ones finish (`wait`) or resolve as closed."""
         self._pool.shutdown(wait=wait, cancel_futures=True)
+        with self._unresolved_lock:
+            pending = list(self._unresolved.values())
+        for resolve_closed in pending:
+            resolve_closed()
 
     def submit(self, call: ParsedCall) -> Future[ToolResult]:
         """A future of the call's result; it resolves exactly once and never with an exception."""
@@ -128,6 +137,8 @@ class ToolRunner:
             with lock:
                 if not out.done():
                     out.set_result(result)
+            with self._unresolved_lock:
+                self._unresolved.pop(out, None)
 
         if isinstance(call, MalformedCall):
             deliver(
@@ -144,10 +155,13 @@ class ToolRunner:
             )
             return out
         limit = self.config.time_limit_s
+        # The deadline runs from the call's start on a pool thread, not from submit: waiting in the queue is not
+        # the tool's time.
         timer = threading.Timer(limit + self.config.grace_s, lambda: deliver(self._timeout(call, start)))
         timer.daemon = True
 
         def work() -> None:
+            timer.start()
             try:
                 output = tool.run(call.arguments, limit)
             except Exception as exc:  # noqa: BLE001 - a tool's bug is the policy's environment text, not a crash
@@ -160,14 +174,15 @@ class ToolRunner:
                 timer.cancel()
             deliver(result)
 
-        timer.start()
+        def closed() -> None:
+            deliver(self._result(call, "error: the tool runner was closed", False, "closed", start))
+
+        with self._unresolved_lock:
+            self._unresolved[out] = closed
         try:
             self._pool.submit(work)
-        except RuntimeError as exc:  # the runner was closed
-            timer.cancel()
-            deliver(
-                self._result(call, f"error: the tool runner is closed ({exc})", False, "tool_crashed", start)
-            )
+        except RuntimeError:  # the runner is closed
+            closed()
         return out
 
     def submit_turn(self, text: str, *, turn_closed: bool, thinking: bool = True) -> Future[TurnResult]:
