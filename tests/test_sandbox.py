@@ -369,3 +369,7 @@ def test_a_required_isolation_that_is_missing_refuses_to_start():
     if IS_ROOT:
         with pytest.raises(SandboxUnavailable, match="not a user"):
             Sandbox(SandboxLimits(user="rv-no-such-user"))
+    if DROPS_USER:
+        with tempfile.TemporaryDirectory() as private:  # 0700 root: nobody cannot reach a folder in it
+            with pytest.raises(SandboxUnavailable, match="not searchable"):
+                Sandbox(SandboxLimits(base_dir=private))

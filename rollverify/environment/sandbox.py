@@ -127,6 +127,8 @@ class Sandbox:
         self._python = self._resolve_python()
         self._unshare = shutil.which("unshare") if self.limits.network_namespace else None
         self._namespaces = self._unshare is not None and namespaces_available(self._unshare)
+        if self._user is not None:
+            _check_traversable(Path(self.limits.base_dir or tempfile.gettempdir()), self._user[0])
         missing = [k for k, v in self.isolation.items() if k in self.limits.require and v in ("none", "same")]
         if missing:
             raise SandboxUnavailable(
@@ -381,6 +383,16 @@ def _killpg(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _check_traversable(base: Path, user: str) -> None:
+    """The sandbox user reaches its folder under `base` only if every folder above it lets others pass."""
+    for folder in [base.resolve(), *base.resolve().parents]:
+        if not os.stat(folder).st_mode & stat.S_IXOTH:
+            raise SandboxUnavailable(
+                f"the sandbox user {user!r} cannot reach folders under {base}: {folder} is not searchable by "
+                "others; set SandboxLimits.base_dir (or TMPDIR) to a folder like /tmp"
+            )
 
 
 def _read_back(work: Path, name: str) -> str | None:
