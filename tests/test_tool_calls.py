@@ -128,9 +128,11 @@ def test_truncation_keeps_the_head_and_marks_the_cut():
 class SleepTool:
     """Waits `seconds` (on an event, so a test can release it), then echoes its arguments."""
 
-    def __init__(self, name: str = "sleep", seconds: float = 0.3) -> None:
+    def __init__(self, name: str = "sleep", seconds: float = 0.3, together: int | None = None) -> None:
         self.name = name
         self.seconds = seconds
+        # With `together`, each call first waits (up to 10 s) until that many are running at once.
+        self.gate = threading.Barrier(together) if together else None
         self.release = threading.Event()
         self.running = 0
         self.peak = 0
@@ -144,6 +146,8 @@ class SleepTool:
             self.running += 1
             self.peak = max(self.peak, self.running)
         try:
+            if self.gate is not None:
+                self.gate.wait(timeout=10)
             self.release.wait(self.seconds)
             return ToolOutput(text=f"slept {arguments}", ok=True)
         finally:
@@ -177,18 +181,25 @@ def test_registry_names_aliases_and_refuses_duplicates():
 
 def test_calls_run_concurrently_while_the_caller_goes_on():
     n = 8
-    tool = SleepTool(seconds=0.3)
-    with ToolRunner(ToolRegistry([tool]), ToolConfig(max_workers=n, time_limit_s=5)) as runner:
+    # Each call waits until all n run at once (a pool that ran fewer would fail them), then takes 0.3 s.
+    tool = SleepTool(seconds=0.3, together=n)
+    with ToolRunner(ToolRegistry([tool]), ToolConfig(max_workers=n, time_limit_s=20)) as runner:
         start = time.monotonic()
         futures = [runner.submit(call("sleep", i, i=i)) for i in range(n)]
-        submitted = time.monotonic() - start
-        results = [f.result(timeout=10) for f in futures]
+        assert not any(f.done() for f in futures), "submit must return before its call ends"
+        results = [f.result(timeout=30) for f in futures]
         elapsed = time.monotonic() - start
-    assert submitted < 0.2, "submit must not wait for the call"
     assert [r.text for r in results] == [f"slept {{'i': {i}}}" for i in range(n)]
     assert all(r.ok and r.error is None for r in results)
     assert tool.peak == n, f"only {tool.peak} of {n} calls ran at once"
     assert elapsed < n * 0.3 / 2, f"{n} calls of 0.3 s took {elapsed:.2f} s"
+
+
+def test_a_pool_of_one_runs_calls_one_after_another():
+    tool = SleepTool(seconds=0.05)
+    with ToolRunner(ToolRegistry([tool]), ToolConfig(max_workers=1, time_limit_s=5)) as runner:
+        results = runner.run_all([call("sleep", i) for i in range(3)])
+    assert all(r.ok for r in results) and tool.peak == 1
 
 
 def test_the_pool_bounds_how_many_run_at_once_and_queued_calls_do_not_time_out():
