@@ -4,8 +4,9 @@ Tests come in the two published shapes: HumanEval (`test` defines `check(candida
 `entry_point` function) and MBPP (a list of assert statements, with optional setup code). Each test case runs in
 its own try, so one failure or one exception hides no other: for MBPP a case is one assert string, for HumanEval
 each top-level statement of `check`'s body that holds an assert. The reward is 1.0 when every case passes, else
-0.0; with `partial=True` it is the fraction that passed. A per-case time limit (an interval timer inside the
-program) stops one looping case without losing the others; the sandbox's limits bound the whole run.
+0.0; with `partial=True` it is the fraction that passed. A per-case limit (interval timers inside the program:
+`per_case_s` of CPU, five times that of wall time, so a loaded machine does not fail a correct case) stops one
+looping or sleeping case without losing the others; the sandbox's limits bound the whole run.
 
 The harness writes its counts to a result file with a per-call nonce, so a candidate that exits early
 (`sys.exit(0)`, `os._exit(0)`) or prints a forged result gets no credit. It is not proof against a candidate that
@@ -29,6 +30,8 @@ CASE_HOOK = "__rv_case__"
 HARNESS = r"""
 import json, os, signal, sys
 
+WALL_FACTOR = 5
+
 def __rv_main__():
     with open("rv_spec.json") as f:
         spec = json.load(f)
@@ -39,13 +42,18 @@ def __rv_main__():
     class CaseTimeout(Exception):
         pass
 
-    def on_alarm(signum, frame):
-        raise CaseTimeout(f"test case ran past {per_case} s")
+    def on_timer(signum, frame):
+        raise CaseTimeout(f"test case ran past {per_case} s of CPU ({WALL_FACTOR * per_case} s wall)")
 
-    signal.signal(signal.SIGALRM, on_alarm)
+    signal.signal(signal.SIGPROF, on_timer)
+    signal.signal(signal.SIGALRM, on_timer)
+
+    def arm(seconds):
+        signal.setitimer(signal.ITIMER_PROF, seconds)
+        signal.setitimer(signal.ITIMER_REAL, WALL_FACTOR * seconds)
 
     def run_case(i, fn):
-        signal.setitimer(signal.ITIMER_REAL, per_case)
+        arm(per_case)
         try:
             fn()
         except BaseException as exc:
@@ -53,24 +61,23 @@ def __rv_main__():
         else:
             outcome["passed"][i] = True
         finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
+            arm(0)
 
     ns = {"__name__": "__main__", "__rv_case__": run_case}
     try:
-        signal.setitimer(signal.ITIMER_REAL, per_case)
+        arm(per_case)
         exec(compile(spec["program"], "solution.py", "exec"), ns)
         exec(compile(spec["setup"], "tests_setup.py", "exec"), ns)
-        signal.setitimer(signal.ITIMER_REAL, 0)
+        arm(0)
         for i, src in enumerate(cases):
             if src is not None:
                 run_case(i, lambda src=src: exec(compile(src, f"test_{i}.py", "exec"), ns))
         if spec["call"] is not None:
-            signal.setitimer(signal.ITIMER_REAL, per_case * max(1, len(cases)))
             exec(compile(spec["call"], "tests_call.py", "exec"), ns)
     except BaseException as exc:
         outcome["setup_error"] = f"{type(exc).__name__}: {exc}"[:300]
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
+        arm(0)
     with open("rv_result.json", "w") as f:
         json.dump({"nonce": nonce, **outcome}, f)
 
