@@ -2,7 +2,7 @@
 
 Entry points (import the submodules; importing this package pulls in nothing heavy):
 
-* `trainer.MegatronTrainer(model_path, rollverify.config.TrainerConfig(...))`: one SPMD rank (world size 1
+* `trainer.MegatronTrainer(model_path, rollverify.app.config.TrainerConfig(...))`: one SPMD rank (world size 1
   runs in-process);
   `spawned.SpawnedTrainer` / `spawned.make_trainer(..., world_size=N)`: N ranks behind the same methods;
   `loop_adapter.LoopTrainer`: the loop's `rollverify.interfaces.Trainer` over either.

@@ -23,7 +23,7 @@ import torch
 
 from megatron_bridge.batch import MicroBatch, TrainSequence
 from rollverify import losses
-from rollverify.config import TrainerConfig
+from rollverify.app.config import TrainerConfig
 
 KINDS = ("ppo", "gspo", "sapo", "vespo")
 

@@ -1,6 +1,6 @@
 """`RayTrainer`: the trainer ranks as Ray actors pinned to the run's placement group (`cluster.launcher: ray`).
 
-Each rank is a `TrainerRank` actor on the bundle of its plan node (rollverify.cluster). Rank 0 reports its node's
+Each rank is a `TrainerRank` actor on the bundle of its plan node (rollverify.app.cluster). Rank 0 reports its node's
 address and a port it bound there; every rank then sets up torch.distributed from them (gloo on CPU, NCCL on
 GPU, `LOCAL_RANK` = the plan's GPU on its node) and builds its `MegatronTrainer` through the same rank-side code
 as the local launcher (megatron_bridge.spawned.start_rank / run_call). The driver object is a `SpawnedTrainer`
@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from megatron_bridge.spawned import SpawnedTrainer, run_call, start_rank
-from rollverify.config import TrainerConfig
+from rollverify.app.config import TrainerConfig
 
 if TYPE_CHECKING:
-    from rollverify.cluster import RayCluster
+    from rollverify.app.cluster import RayCluster
 
 DONE = "done"
 

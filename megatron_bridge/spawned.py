@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from megatron_bridge.parallel import free_port
-from rollverify.config import TrainerConfig
+from rollverify.app.config import TrainerConfig
 
 
 def _pack(bucket: list[tuple[str, torch.Tensor]]) -> tuple[str, bytes]:
@@ -66,7 +66,7 @@ def start_rank(rank: int, world_size: int, master: tuple[str, int], model_path: 
     os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank if local_rank is None else local_rank))
     torch.set_num_threads(threads)
-    from rollverify.console import quiet_cpu_warnings
+    from rollverify.app.console import quiet_cpu_warnings
 
     quiet_cpu_warnings()  # each rank is a fresh process: the driver's filters do not reach it
     from megatron_bridge.trainer import MegatronTrainer

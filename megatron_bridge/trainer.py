@@ -43,7 +43,7 @@ from megatron_bridge.model import (
 from megatron_bridge.offload import KINDS, TrainerMemory
 from megatron_bridge.parallel import ParallelConfig, init_parallel, use_cpu
 from megatron_bridge.weights_out import WeightsOut
-from rollverify.config import TrainerConfig
+from rollverify.app.config import TrainerConfig
 
 
 def resolve_device(device: str) -> str:

@@ -65,7 +65,7 @@ class InMemoryWeights:
 
 @dataclass
 class LoopConfig:
-    """What the loop itself needs (the full run config lives in rollverify.config)."""
+    """What the loop itself needs (the full run config lives in rollverify.app.config)."""
 
     batch_groups: int = 8  # B: finished groups per optimizer step
     n: int = 4  # responses per prompt (GRPO group size)

@@ -2,7 +2,7 @@
 
 A `ServerActor` runs the same server process as the local launcher (sglang_ext.launch.launch_server), bound to
 its node's address, with the plan's GPUs (`base_gpu_id` = the plan's first GPU of the server; Ray leaves every
-GPU of the node visible, see rollverify.cluster). An endpoint off loopback never runs without CURVE: the driver
+GPU of the node visible, see rollverify.app.cluster). An endpoint off loopback never runs without CURVE: the driver
 makes the run's keys (`RunKeys`), each actor writes the server's certificate and the client's public key into a
 private folder on its node ($TMPDIR/rollverify-keys-serverN-*, mode 0700, the secret 0600), and the rollout
 engine's client connects with the matching client keys. The server reads them once, when it binds (before it
@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 from sglang_ext.client import CurveKeys
 
 if TYPE_CHECKING:
-    from rollverify.cluster import RayCluster
-    from rollverify.config import RunConfig
+    from rollverify.app.cluster import RayCluster
+    from rollverify.app.config import RunConfig
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ import math
 
 from engine_fixtures import reset_server, run
 
-from rollverify.demo import ratio_interval, verdict
+from rollverify.app.demo import ratio_interval, verdict
 from rollverify.loop import Loop, LoopConfig
 from rollverify.strategies import AlgoConfig
 from rollverify.types import Group

@@ -353,7 +353,7 @@ def test_trainer_terms_over_micro_batches_equal_the_whole_batch(kind, mode):
     whole batch at once, for every loss and aggregation mode; None is the loss's default."""
     from megatron_bridge.policy_loss import _padded, terms
     from rollverify import losses
-    from rollverify.config import TrainerConfig
+    from rollverify.app.config import TrainerConfig
 
     cfg = TrainerConfig(loss=kind, loss_agg_mode=mode)
     g = torch.Generator().manual_seed(1)

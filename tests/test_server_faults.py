@@ -15,8 +15,8 @@ import numpy as np
 import psutil
 import pytest
 
-from rollverify.config import load_config
-from rollverify.train import Run
+from rollverify.app.config import load_config
+from rollverify.app.train import Run
 
 pytestmark = [pytest.mark.engine, pytest.mark.megatron]
 

@@ -18,8 +18,8 @@ import pytest
 from engine_fixtures import FakeEngine, FakeServer, run
 from test_loop_logic import ScriptedEngine, ScriptedTrainer
 
+from rollverify.app.config import ConfigError, load_config
 from rollverify.buffer import RolloutBuffer
-from rollverify.config import ConfigError, load_config
 from rollverify.loop import Loop, LoopConfig
 from rollverify.strategies import AlgoConfig
 from rollverify.types import Group

@@ -56,7 +56,7 @@ class ModelConfig:
     tiny_seed: int = _f(0, ge=0)
     task: str | None = "auto"  # warm-start task; auto: task.name when it is synthetic; null: no warm start
     tiny_overrides: dict[str, Any] = _f(factory=dict)  # other TinyModelSpec fields, e.g. {hidden_size: 128}
-    # `rollverify plan` where model.path/config.json is not on this machine: a preset (rollverify.plan.ARCH_PRESETS:
+    # `rollverify plan` where model.path/config.json is not on this machine: a preset (rollverify.app.plan.ARCH_PRESETS:
     # qwen3-8b, qwen3-30b-a3b) or the fields of the checkpoint's config.json
     arch: str | dict[str, Any] | None = None
 
@@ -183,7 +183,7 @@ class ClusterConfig:
     placement: Literal["colocated", "disaggregated"] = "colocated"  # colocated: rollout and training take turns
     rollout_gpus: int = _f(0, ge=0)  # disaggregated: the last GPUs go to the servers, the rest to the trainer
     gpu_memory_gib: float = _f(80.0, gt=0.0)  # per GPU, as `plan` budgets it
-    # --- ray launcher (rollverify.cluster) ---
+    # --- ray launcher (rollverify.app.cluster) ---
     address: str | None = None  # Ray cluster to join (auto, HEAD_IP:6379); null: RAY_ADDRESS, else a one-node Ray here
     join_timeout_s: float = _f(120.0, gt=0.0)  # nodes, placement group and file checks that take longer fail
     log_to_driver: bool = True  # actors' stdout/stderr (trainer ranks, server actors) echoed by the driver
@@ -195,7 +195,7 @@ class ClusterConfig:
 
 @dataclass
 class EvalConfig:
-    """Evaluation with the current policy (`rollverify.evaluate`): the task's held-out split, or named sets."""
+    """Evaluation with the current policy (`rollverify.app.evaluate`): the task's held-out split, or named sets."""
 
     every: int = _f(10, ge=0)  # steps between evaluations (and at the last step); 0: never
     n_prompts: int = _f(64, ge=1)  # prompts of the held-out split; sets are evaluated whole
@@ -334,7 +334,7 @@ class RunConfig:
                 "model.moe / model.tiny_overrides describe the tiny model; drop them with model.path"
             )
         if m.tiny_overrides:
-            from rollverify.tiny_model import TinyModelSpec
+            from rollverify.app.tiny_model import TinyModelSpec
 
             hints = typing.get_type_hints(TinyModelSpec)
             names = [f.name for f in fields(TinyModelSpec) if f.name not in ("moe", "seed", "task", "extra")]
@@ -387,7 +387,7 @@ class RunConfig:
 
     def _check_cluster(self) -> None:
         """Cluster keys that contradict each other (what fits on the cluster is `rollverify plan`'s check)."""
-        from rollverify.plan import ARCH_PRESETS
+        from rollverify.app.plan import ARCH_PRESETS
 
         c, m = self.cluster, self.model
         if m.arch is not None:
@@ -423,7 +423,7 @@ class RunConfig:
     def _check_reward_and_eval(self, check_task: bool) -> None:
         """task.reward imports, the chat template the tokenizer must have, eval.sets' entries; with
         `check_task`, also the reward function and the sets' files (both are read, like the task's data)."""
-        from rollverify.evaluate import load_eval_sets, parse_eval_sets
+        from rollverify.app.evaluate import load_eval_sets, parse_eval_sets
         from rollverify.tasks.chat import has_chat_template
         from rollverify.tasks.reward import load_reward
 
@@ -593,8 +593,8 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...])
     return raw
 
 
-# The configs shipped with the package (in a checkout, a link to configs/ at its root).
-CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+# The configs shipped with the package: rollverify/configs (in a checkout, a link to configs/ at its root).
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
 
 def shipped_configs() -> list[str]:

@@ -27,7 +27,7 @@ class Command:
 
 
 def _make_tiny_model(argv: list[str]) -> int:
-    from rollverify.tiny_model import TinyModelSpec, make_tiny_model
+    from rollverify.app.tiny_model import TinyModelSpec, make_tiny_model
 
     p = argparse.ArgumentParser(
         prog="rollverify make-tiny-model",
@@ -68,25 +68,25 @@ def _serve(argv: list[str]) -> int:
 
 
 def _train(argv: list[str]) -> int:
-    from rollverify.train import cli_main
+    from rollverify.app.train import cli_main
 
     return cli_main(argv)
 
 
 def _demo(argv: list[str]) -> int:
-    from rollverify.demo import cli_main
+    from rollverify.app.demo import cli_main
 
     return cli_main(argv)
 
 
 def _eval(argv: list[str]) -> int:
-    from rollverify.evaluate import cli_main
+    from rollverify.app.evaluate import cli_main
 
     return cli_main(argv)
 
 
 def _export(argv: list[str]) -> int:
-    from rollverify.export import cli_main
+    from rollverify.app.export import cli_main
 
     return cli_main(argv)
 
@@ -98,7 +98,7 @@ def _simulate(argv: list[str]) -> int:
 
 
 def _plan(argv: list[str]) -> int:
-    from rollverify.plan import cli_main
+    from rollverify.app.plan import cli_main
 
     return cli_main(argv)
 

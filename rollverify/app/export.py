@@ -68,7 +68,7 @@ def hf_weight_buckets(model_dir: str | Path, bucket_bytes: int = 64 << 20) -> It
 
 def find_checkpoint(path: str | Path) -> Path:
     """The `checkpoint/` folder of a run directory (or that folder itself); a clear error when there is none."""
-    from rollverify.train import CKPT
+    from rollverify.app.train import CKPT
 
     p = Path(path)
     ckpt = p / CKPT if (p / CKPT).is_dir() else p
@@ -92,8 +92,8 @@ def check_new_folder(out: str | Path) -> Path:
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
     """Load a run's trainer checkpoint into a trainer of the same layout and export it to `out` (new or empty)."""
-    from rollverify.config import RunConfig
-    from rollverify.train import resolve_model, start_trainer
+    from rollverify.app.config import RunConfig
+    from rollverify.app.train import resolve_model, start_trainer
 
     ckpt = find_checkpoint(checkpoint)
     out = check_new_folder(out)

@@ -15,12 +15,12 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from rollverify import rundir
+from rollverify.app import rundir
+from rollverify.app.config import RunConfig, load_config
+from rollverify.app.console import Progress, quiet_cpu_warnings, say, stage
+from rollverify.app.evaluate import build_evaluator
+from rollverify.app.export import export_dir, export_trainer
 from rollverify.buffer import RolloutBuffer
-from rollverify.config import RunConfig, load_config
-from rollverify.console import Progress, quiet_cpu_warnings, say, stage
-from rollverify.evaluate import build_evaluator
-from rollverify.export import export_dir, export_trainer
 from rollverify.loop import Loop, LoopConfig
 from rollverify.metrics import MetricsWriter
 from rollverify.tasks import get_task
@@ -36,7 +36,7 @@ def resolve_model(cfg: RunConfig) -> Path:
     if cfg.model.path:
         cfg.check_paths()
         return Path(cfg.model.path).expanduser()
-    from rollverify.tiny_model import TinyModelSpec, ensure_tiny_model
+    from rollverify.app.tiny_model import TinyModelSpec, ensure_tiny_model
 
     with stage("tiny model") as st:
         path = ensure_tiny_model(TinyModelSpec(**cfg.model.tiny_spec()))
@@ -100,7 +100,7 @@ class Run:
         self.render = PromptRenderer(self.tokenizer, getattr(self.task, "chat_template", "auto"), source=self.model_path)
         self.score = task_reward(self.task, cfg.task.reward)
         self.evaluator = build_evaluator(cfg, self.task, self.tokenizer, self.score) if cfg.eval.every else None
-        self.cluster = None  # rollverify.cluster.RayCluster with cluster.launcher: ray
+        self.cluster = None  # rollverify.app.cluster.RayCluster with cluster.launcher: ray
         self.engine = self._start_engine()
         try:
             with stage("trainer") as st:
@@ -144,8 +144,8 @@ class Run:
 
     def _start_engine(self):
         if self.cfg.cluster.launcher == "ray":  # trainer ranks and servers as actors of one placement group
-            from rollverify.cluster import RayCluster, files_read
-            from rollverify.plan import check as check_plan
+            from rollverify.app.cluster import RayCluster, files_read
+            from rollverify.app.plan import check as check_plan
             from sglang_ext.ray_server import start_ray_engine
 
             with stage("ray cluster") as st:
@@ -256,10 +256,10 @@ def train(
     """Run `cfg.trainer.steps` steps into `out`; returns the summary. `progress`: a bar on a terminal (or as
     `bar` says), else one line per step.
 
-    Before anything starts or is written, a config that does not fit its cluster (`rollverify.plan.check`)
+    Before anything starts or is written, a config that does not fit its cluster (`rollverify.app.plan.check`)
     raises PlanError, and a run folder or input file that is not usable a RunFolderError / ConfigError naming
     what is wrong."""
-    from rollverify.plan import check as check_plan
+    from rollverify.app.plan import check as check_plan
 
     check_plan(cfg)
     cfg.check_paths()
@@ -349,7 +349,7 @@ def cli_main(argv: list[str] | None = None) -> int:
         cfg.check_paths()
         if not a.overwrite:  # cheap, so first; with --overwrite, train() checks the folder and then clears it
             rundir.claim(out, resume=a.resume)
-        from rollverify.plan import check as check_plan
+        from rollverify.app.plan import check as check_plan
 
         check_plan(cfg)  # what `rollverify plan` refuses stops here (train() checks again for API callers)
         summary = train(cfg, out, a.resume, progress=not a.no_progress, overwrite=a.overwrite)

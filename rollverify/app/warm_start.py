@@ -37,7 +37,7 @@ class WarmStartRecipe:
 
 # Per-task recipes: the warm-started default tiny model (hidden 64, 2 layers) samples a reward of ~0.4 at
 # temperature 1 on the eval split (greedy ~0.5; 300 steps give ~0.27, 400 ~0.5), in about a minute on one idle
-# core; countdown_short with the same recipe ~0.32 (T=1), ~0.40 (greedy). `python -m rollverify.warm_start`
+# core; countdown_short with the same recipe ~0.32 (T=1), ~0.40 (greedy). `python -m rollverify.app.warm_start`
 # measures them.
 RECIPES: dict[str, WarmStartRecipe] = {
     "countdown": WarmStartRecipe(),
@@ -221,7 +221,7 @@ def recipe_fingerprint(task_name: str) -> str:
 
 def warm_start(model, tokenizer, spec) -> Any:
     """Hook of `make_tiny_model`: warm-start `model` on `spec.task` with that task's recipe and `spec.seed`."""
-    from rollverify.console import say, stage
+    from rollverify.app.console import say, stage
 
     task = get_task(spec.task)
     recipe = RECIPES.get(spec.task, WarmStartRecipe())
@@ -234,9 +234,9 @@ def warm_start(model, tokenizer, spec) -> Any:
 
 def cli_main(argv: list[str] | None = None) -> int:
     """Measure base vs warm-started sampled reward on the eval split (for tuning recipes and reports)."""
-    from rollverify.tiny_model import TinyModelSpec, build_tokenizer, untrained_model
+    from rollverify.app.tiny_model import TinyModelSpec, build_tokenizer, untrained_model
 
-    p = argparse.ArgumentParser(prog="python -m rollverify.warm_start", description=cli_main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m rollverify.app.warm_start", description=cli_main.__doc__)
     p.add_argument("--task", default="countdown")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=None, help="override the recipe's step count")

@@ -49,7 +49,7 @@ class TinyModelSpec:
         """Names the cache entry; a warm-started model also hashes its recipe, so a new recipe remakes it."""
         blob = json.dumps(asdict(self), sort_keys=True)
         if self.task is not None:
-            from rollverify.warm_start import recipe_fingerprint
+            from rollverify.app.warm_start import recipe_fingerprint
 
             blob += recipe_fingerprint(self.task)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -172,7 +172,7 @@ def make_tiny_model(out: str | os.PathLike, spec: TinyModelSpec, force: bool = F
     try:
         model = untrained_model(spec)
         if spec.task is not None:
-            from rollverify.warm_start import warm_start  # supervised warm start on a synthetic task
+            from rollverify.app.warm_start import warm_start  # supervised warm start on a synthetic task
 
             model = warm_start(model, build_tokenizer(spec.vocab_size), spec)
         with _no_progress_bars():  # a one-shard bar ("Writing model shards") says nothing

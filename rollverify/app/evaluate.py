@@ -221,10 +221,10 @@ def evaluate_checkpoint(cfg: Any, model: str | Path, out: str | Path | None = No
     launched for it (or on `rollout.endpoints`, which first receive its weights)."""
     from transformers import AutoTokenizer
 
-    from rollverify.export import hf_weight_buckets
+    from rollverify.app.export import hf_weight_buckets
+    from rollverify.app.train import start_engine
     from rollverify.tasks import get_task
     from rollverify.tasks.reward import task_reward
-    from rollverify.train import start_engine
 
     model = Path(model)
     if out is not None and Path(out).exists():
@@ -248,7 +248,7 @@ def evaluate_checkpoint(cfg: Any, model: str | Path, out: str | Path | None = No
 
 
 def cli_main(argv: list[str] | None = None) -> int:
-    from rollverify.config import load_config
+    from rollverify.app.config import load_config
 
     p = argparse.ArgumentParser(
         prog="rollverify eval",

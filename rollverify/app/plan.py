@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rollverify.config import ConfigError, RunConfig, load_config
+from rollverify.app.config import ConfigError, RunConfig, load_config
 
 if TYPE_CHECKING:
     from megatron_bridge.model import ModelArch
@@ -93,7 +93,7 @@ def model_arch(cfg: RunConfig) -> ModelArch:
 
     m = cfg.model
     if m.path is None:
-        from rollverify.tiny_model import TinyModelSpec, hf_config
+        from rollverify.app.tiny_model import TinyModelSpec, hf_config
 
         spec = TinyModelSpec(**m.tiny_spec())
         arch_name = "Qwen3MoeForCausalLM" if spec.moe else "Qwen3ForCausalLM"
