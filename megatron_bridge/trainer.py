@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from megatron_bridge import checkpoint, convert, policy_loss
-from megatron_bridge.batch import TrainSequence, check_all_routes, check_batch, sequences
+from megatron_bridge.batch import TrainSequence, check_batch, sequences
+from megatron_bridge.config import TrainerConfig
 from megatron_bridge.logprobs import defer_output_layer
 from megatron_bridge.micro_batches import MicroBatchRunner
 from megatron_bridge.model import (
@@ -42,8 +43,8 @@ from megatron_bridge.model import (
 )
 from megatron_bridge.offload import KINDS, TrainerMemory
 from megatron_bridge.parallel import ParallelConfig, init_parallel, use_cpu
+from megatron_bridge.replay import check_all_routes
 from megatron_bridge.weights_out import WeightsOut
-from rollverify.app.config import TrainerConfig
 
 
 def resolve_device(device: str) -> str:
@@ -86,8 +87,7 @@ class MegatronTrainer:
         self.arch = convert.check_checkpoint(self.model_path)  # unsupported / mismatched: fail before building
         self.device = torch.device(resolve_device(cfg.device))
         self.dtype = resolve_dtype(dtype, self.device.type)
-        if cfg.sequence_parallel and cfg.tp == 1:
-            raise ValueError("sequence_parallel needs tp > 1 (it splits the sequence over the TP group)")
+        cfg.check()
         if self.arch.moe and cfg.tp > 1 and (not cfg.sequence_parallel or cfg.ep * cfg.etp == 1):
             # Megatron-Core trains MoE under TP only with sequence parallelism. With ep == etp == 1 the whole
             # experts would be copies on every TP rank, each seeing its own tokens, and Megatron-Core reduces
@@ -95,13 +95,7 @@ class MegatronTrainer:
             raise UnsupportedCheckpoint(f"MoE with tp={cfg.tp} > 1 needs sequence_parallel=True and ep > 1 or "
                                         f"etp > 1 (got sequence_parallel={cfg.sequence_parallel}, ep={cfg.ep}, "
                                         f"etp={cfg.etp})")
-        if cfg.optimizer != "adam" and cfg.use_distributed_optimizer:
-            raise ValueError("Megatron-Core's distributed optimizer supports Adam only: set "
-                             "use_distributed_optimizer=False for optimizer='sgd'")
         check_layout(self.arch, tp=cfg.tp, ep=cfg.ep, pp=cfg.pp, cp=cfg.cp, etp=cfg.etp)
-        if cfg.max_seq_len < 0 or cfg.logprob_chunk_tokens < 1:
-            raise ValueError(f"max_seq_len must be >= 0 (0: the model's context) and logprob_chunk_tokens >= 1; "
-                             f"got {cfg.max_seq_len} and {cfg.logprob_chunk_tokens}")
         if cfg.recompute != "none" and self.arch.moe and cfg.replay_train:
             raise ValueError(f"recompute={cfg.recompute!r} with MoE routing replay is not supported: the recomputed "
                              f"forward would route freely; set recompute='none' or replay_train=False")

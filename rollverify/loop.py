@@ -40,6 +40,7 @@ import torch
 from rollverify.buffer import RolloutBuffer
 from rollverify.interfaces import Chunk, RolloutEngine, SamplingParams, Trainer, WeightSync
 from rollverify.losses import grpo_advantages
+from rollverify.sections import ConfigError, bounded
 from rollverify.strategies import AlgoConfig, Strategy, make_strategy
 from rollverify.types import Group, Response
 
@@ -64,18 +65,34 @@ class InMemoryWeights:
 
 
 @dataclass
-class LoopConfig:
-    """What the loop itself needs (the full run config lives in rollverify.app.config)."""
+class RolloutConfig:
+    """The rollout section: the loop's GRPO batch shape, sampling, concurrency and polling, and the servers the
+    application starts for it (`n_servers`, `endpoints`, `engine_args`, `server_timeout_s`)."""
 
-    batch_groups: int = 8  # B: finished groups per optimizer step
-    n: int = 4  # responses per prompt (GRPO group size)
-    max_new_tokens: int = 256
-    temperature: float = 1.0
-    max_live: int = 64  # responses the engines generate at once (capacity)
-    use_std: bool = True  # GRPO: divide advantages by the group std
-    wait_s: float = 0.05  # how long one poll for finished responses blocks
-    phase_timeout_s: float = 600.0  # a rollout phase that makes no progress this long is an error
-    monitor_ops: bool = True  # new log-probs of carried-over tokens even in modes that do not verify (ops_mean)
+    n_servers: int = bounded(1, ge=1)  # servers launched by `rollverify train` (ignored with endpoints)
+    endpoints: list[str] = bounded(factory=list)  # connect to running servers instead of launching
+    batch_groups: int = bounded(8, ge=1)  # B: finished groups per optimizer step
+    n: int = bounded(4, ge=2)  # responses per prompt (GRPO group size)
+    max_new_tokens: int = bounded(256, ge=1)
+    temperature: float = bounded(1.0, gt=0.0)
+    # Responses generated at once over all servers. Above B*n it over-provisions: extra groups run while the
+    # slow tail finishes, which is where partial rollout gains its speed.
+    max_live: int = bounded(64, ge=1)
+    engine_args: dict[str, Any] = bounded(
+        factory=dict
+    )  # SGLang ServerArgs, e.g. {tp_size: 4, max_total_tokens: 8192}
+    # A server that does not answer for this long is lost: its unfinished responses go to the others. Servers
+    # `rollverify train` launched are also watched by process, and restarted when they exit.
+    server_timeout_s: float = bounded(300.0, gt=0.0)
+    wait_s: float = bounded(0.05, ge=0.0)  # how long one poll for finished responses blocks
+    phase_timeout_s: float = bounded(600.0, gt=0.0)  # a rollout phase that makes no progress this long is an error
+
+    def check(self) -> None:
+        """The rules between this section's keys; `ConfigError` naming the key."""
+        if self.max_live < self.n:
+            raise ConfigError(
+                f"rollout.max_live: must be >= rollout.n ({self.n}) so one group fits, got {self.max_live}"
+            )
 
 
 @dataclass
@@ -114,7 +131,7 @@ class Loop:
 
     def __init__(
         self,
-        cfg: LoopConfig,
+        cfg: RolloutConfig,
         algo: AlgoConfig,
         engine: RolloutEngine,
         trainer: Trainer,
@@ -297,7 +314,7 @@ class Loop:
         if not groups:
             return {}
         rewards = torch.tensor(np.stack([g.rewards for g in groups]))
-        advantages = grpo_advantages(rewards, use_std=self.cfg.use_std).reshape(-1).numpy()
+        advantages = grpo_advantages(rewards, use_std=self.algo.adv_use_std).reshape(-1).numpy()
         responses = [r for g in groups for r in g.responses]
         metrics = self.trainer.train_step(responses, advantages, self.cfg.temperature)
         self.version += 1
@@ -343,7 +360,7 @@ class Loop:
                 "switched": False}
         new_lp = None
         unverified: list[str] | None = None  # engine mode: the carried responses held while the engines run
-        if self.strategy.needs_new_logprobs or self.cfg.monitor_ops:
+        if self.strategy.needs_new_logprobs or self.algo.monitor_ops:
             engine_side = self.algo.verify_on == "engine"
             t0 = time.perf_counter()
             if engine_side and self.paused and self.strategy.carries_over:

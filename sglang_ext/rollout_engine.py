@@ -29,7 +29,7 @@ import numpy as np
 from rollverify.interfaces import Chunk, SamplingParams
 from rollverify.types import Response
 from sglang_ext.client import UNAVAILABLE, ControlError, CurveKeys, SubmitRequest
-from sglang_ext.pool import ServerPool, ServerSlot, gather
+from sglang_ext.pool import ServerAddress, ServerPool, ServerSlot, gather
 from sglang_ext.protocol import OutputBatch, WireSamplingParams
 
 log = logging.getLogger(__name__)
@@ -63,10 +63,11 @@ class SGLangRolloutEngine:
     """RolloutEngine over control servers.
 
     `processes`: the ServerProcess handles of the endpoints this engine launched (same order); `relaunch(i)`
-    starts a replacement for server i; `weight_source()` yields the current policy's weight buckets, pushed to a
-    restarted server (which loads the original checkpoint) before it gets any response. `restore_weights(slot,
-    version)`, when set, brings a restarted server to the current policy instead (a cluster run's weight
-    transport: the trainer's ranks send it, nothing crosses this process).
+    starts a replacement for server i. A restarted server loads the original checkpoint and gets the current
+    policy before it gets any response: `weight_source()` yields its weight buckets, pushed through this
+    process, or `restore_weights(server address, version)` brings it there otherwise (a cluster run's weight
+    transport: the trainer's ranks send it, nothing crosses this process); `restart_weights` sets them once the
+    trainer exists.
     """
 
     def __init__(
@@ -81,7 +82,7 @@ class SGLangRolloutEngine:
         poll_wait_s: float = 1.0,
     ) -> None:
         self.weight_source = weight_source
-        self.restore_weights: Callable[[ServerSlot, int], Any] | None = None
+        self.restore_weights: Callable[[ServerAddress, int], Any] | None = None
         self.version = 0  # the last policy version pushed
         self.faults: list[dict[str, Any]] = []  # one record per lost server
         self.last_pause: list[dict] = []  # each server's last pause reply body (timings)
@@ -168,6 +169,19 @@ class SGLangRolloutEngine:
                 raise RuntimeError(f"rollout engine: {e}") from e
             self._push(self.weight_source(), version, self.pool.alive())
         self.version = version
+
+    def committed(self, version: int) -> None:
+        """`version` is what every live server serves now: a weight transport outside this engine committed it."""
+        self.version = version
+
+    def restart_weights(self, *, source: Callable[[], Iterator[list[tuple[str, Any]]]] | None = None,
+                        restore: Callable[[ServerAddress, int], Any] | None = None) -> None:
+        """How a restarted server gets the current policy from now on (see the class docstring)."""
+        self.weight_source, self.restore_weights = source, restore
+
+    def live_servers(self) -> list[ServerAddress]:
+        """The servers that serve now, in index order."""
+        return [s.address() for s in self.pool.alive()]
 
     def compute_logprobs(self, responses: Sequence[Response]) -> list[np.ndarray | None]:
         """Each response's log-probs under the weights the servers serve now, computed by the server that holds
@@ -364,7 +378,7 @@ class SGLangRolloutEngine:
             new = self.pool.replace(s)
             if new is not None:
                 if self.restore_weights is not None:
-                    self.restore_weights(new, self.version)
+                    self.restore_weights(new.address(), self.version)
                 elif self.weight_source is not None:
                     self._push(self.weight_source(), self.version, [new])
                 if self.paused and not new.paused:

@@ -15,7 +15,7 @@ import pytest
 
 from rollverify.buffer import RolloutBuffer
 from rollverify.interfaces import Chunk
-from rollverify.loop import InMemoryWeights, Loop, LoopConfig
+from rollverify.loop import InMemoryWeights, Loop, RolloutConfig
 from rollverify.strategies import AlgoConfig
 from rollverify.types import Group
 
@@ -141,7 +141,7 @@ class ScriptedTrainer:
 
 def make_loop(mode: str, drift: float = 0.0, **algo) -> tuple[Loop, ScriptedEngine, ScriptedTrainer]:
     engine, trainer = ScriptedEngine(), ScriptedTrainer(drift)
-    cfg = LoopConfig(batch_groups=4, n=2, max_new_tokens=64, max_live=24, wait_s=0.0, phase_timeout_s=5)
+    cfg = RolloutConfig(batch_groups=4, n=2, max_new_tokens=64, max_live=24, wait_s=0.0, phase_timeout_s=5)
     loop = Loop(
         cfg,
         AlgoConfig(mode=mode, **algo),
@@ -321,7 +321,7 @@ class SeededEngine(ScriptedEngine):
 
 def test_resume_at_step_k_reaches_the_same_states_as_a_run_that_never_stopped(tmp_path):
     def new_loop() -> Loop:
-        cfg = LoopConfig(batch_groups=4, n=2, max_new_tokens=64, max_live=24, wait_s=0.0, phase_timeout_s=5)
+        cfg = RolloutConfig(batch_groups=4, n=2, max_new_tokens=64, max_live=24, wait_s=0.0, phase_timeout_s=5)
         return Loop(cfg, AlgoConfig(mode="rollverify", d_s=0.01, switch_window=3), SeededEngine(),
                     ScriptedTrainer(drift=0.006),
                     make_group=lambda gid: Group.new(gid, [3, 4, 5 + gid % 5], cfg.n, cfg.max_new_tokens),

@@ -81,7 +81,7 @@ def _distributed_run(cfg, out):
     bucket over a gloo group to both servers; the disaggregated layout's transport, which a CPU config cannot
     select: the colocated one shares memory, which nodes do not)."""
     from rollverify.app.train import Run
-    from sglang_ext.weight_transport import TransportWeights
+    from rollverify.app.weight_transport import TransportWeights
 
     class DistributedRun(Run):
         def _weight_sync(self):
@@ -113,7 +113,7 @@ def test_rollverify_steps_over_two_nodes_survive_a_killed_server(ray_cluster, tm
 
     try:
         assert {_label(n.node_id) for n in run.cluster.nodes} == {"rv_node_0", "rv_node_1"}
-        ranks = [_label(n) for n in run.trainer.trainer.rank_nodes]
+        ranks = [_label(n) for n in run.trainer.ranks.nodes]
         servers = [_label(s.process.info["node_id"]) for s in run.engine.pool.servers]
         assert sorted(ranks) == sorted(servers) == ["rv_node_0", "rv_node_1"]  # one of each per node
         assert all(s.conn.endpoint.startswith("tcp://") and "127.0.0.1" not in s.conn.endpoint

@@ -20,7 +20,7 @@ from test_loop_logic import ScriptedEngine, ScriptedTrainer
 
 from rollverify.app.config import ConfigError, load_config
 from rollverify.buffer import RolloutBuffer
-from rollverify.loop import Loop, LoopConfig
+from rollverify.loop import Loop, RolloutConfig
 from rollverify.strategies import AlgoConfig
 from rollverify.types import Group
 from sglang_ext.client import ControlError, ServerConnection, SubmitRequest
@@ -255,7 +255,7 @@ class CountingTrainer(ScriptedTrainer):
 
 def _loop(verify_on: str, drift: float = 0.006) -> Loop:
     """test_loop_logic.make_loop's run with the engine and trainer above, verified by the token stage."""
-    cfg = LoopConfig(batch_groups=4, n=2, max_new_tokens=64, max_live=24, wait_s=0.0, phase_timeout_s=5)
+    cfg = RolloutConfig(batch_groups=4, n=2, max_new_tokens=64, max_live=24, wait_s=0.0, phase_timeout_s=5)
     return Loop(
         cfg,
         AlgoConfig(mode="rollverify", seq_stage=False, conditional_switch=False, verify_on=verify_on),
@@ -332,7 +332,7 @@ def test_a_switch_during_engine_side_verification_drops_the_new_groups_it_does_n
     """The switch to on_policy can come from a verification during which new groups already generate: the groups
     beyond the B the next step completes leave the engines (running ones included) and restart later, and from
     then on every step completes what it launches, with the exact ledger throughout."""
-    cfg = LoopConfig(batch_groups=4, n=2, max_new_tokens=64, max_live=24, wait_s=0.0, phase_timeout_s=5)
+    cfg = RolloutConfig(batch_groups=4, n=2, max_new_tokens=64, max_live=24, wait_s=0.0, phase_timeout_s=5)
     loop = Loop(
         cfg,
         AlgoConfig(mode="rollverify", verify_on="engine", switch_window=2, switch_tau=0.5),

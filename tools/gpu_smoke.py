@@ -156,8 +156,8 @@ def random_sequences(n: int, vocab: int, prompt: int, gens: list[int], seed: int
 
 
 def make_trainer(path: str, env: Env, dtype: str, **kw):
+    from megatron_bridge.config import TrainerConfig
     from megatron_bridge.trainer import MegatronTrainer
-    from rollverify.app.config import TrainerConfig
 
     kw.setdefault("micro_batch_tokens", 8192)
     kw.setdefault("lr", 1e-5)
@@ -709,11 +709,11 @@ def _transport(endpoint: str, path: str, env: Env, dtype: str, kind: str) -> Che
     sampled log-probs equal the trainer's (bf16 floor) and the tokens carry the new version."""
     import numpy as np
 
+    from rollverify.app.weight_transport import TransportSpec
     from rollverify.buffer import RolloutBuffer
     from rollverify.types import Group
     from sglang_ext.protocol import WireSamplingParams
     from sglang_ext.rollout_engine import SGLangRolloutEngine
-    from sglang_ext.weight_transport import TransportSpec
 
     version = {"ipc": 21, "distributed": 22}[kind]
     seqs = random_sequences(4, 128, 8, [24, 24, 24, 24])
@@ -752,9 +752,10 @@ def _memory_handoff(path: str, env: Env, dtype: str, args: list[str]) -> Check:
     and takes them again on `resume` (the colocated handoff); the free device memory shows it."""
     import torch
 
+    from rollverify.app.weight_transport import TransportSpec
     from sglang_ext.launch import launch_server
     from sglang_ext.rollout_engine import SGLangRolloutEngine
-    from sglang_ext.weight_transport import ServerControl, TransportSpec
+    from sglang_ext.weight_transport import ServerControl
 
     server = launch_server(path, args=args, engine_args={"enable_memory_saver": True},
                            log_path=env.workdir / "server-memory-saver.log")
