@@ -70,7 +70,8 @@ class TrainerConfig:
 
     def check(self) -> None:
         """The rules between this section's keys (bounds and types are the fields' own); `ConfigError` naming
-        the key. The run config calls it when it validates, the trainer before it builds anything."""
+        the key. The run config calls it when it validates (its `dp` is the run's; a trainer built without a run
+        config derives dp from its world size, and Megatron-Core checks the layout there)."""
         if (self.tp * self.cp * self.dp) % (self.ep * self.etp):
             span = "tp*dp" if self.cp == 1 else "tp*cp*dp"
             what = "" if self.etp == 1 else f"ep*etp = {self.ep * self.etp} "

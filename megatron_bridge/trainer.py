@@ -87,7 +87,8 @@ class MegatronTrainer:
         self.arch = convert.check_checkpoint(self.model_path)  # unsupported / mismatched: fail before building
         self.device = torch.device(resolve_device(cfg.device))
         self.dtype = resolve_dtype(dtype, self.device.type)
-        cfg.check()
+        # the section's own rules are TrainerConfig.check's, run when the run config is validated; what only the
+        # checkpoint or the world size tells is checked here (and by ParallelConfig)
         if self.arch.moe and cfg.tp > 1 and (not cfg.sequence_parallel or cfg.ep * cfg.etp == 1):
             # Megatron-Core trains MoE under TP only with sequence parallelism. With ep == etp == 1 the whole
             # experts would be copies on every TP rank, each seeing its own tokens, and Megatron-Core reduces

@@ -83,6 +83,14 @@ class RolloutEngine(Protocol):
         """Ids the engine stopped holding since the last call because their server was lost (what it generated
         since their last report is gone); the loop resubmits the unfinished ones from its buffer."""
 
+    def response_ids(self) -> set[str]:
+        """The ids the engine answers for: submitted, and neither dropped nor yet handed out by `lost()` (live,
+        paused, held or finished). The engine is the one record of which server holds a response."""
+
+    @property
+    def paused(self) -> bool:
+        """Whether the engine is paused (`pause` until the next `resume`)."""
+
 
 class Trainer(Protocol):
     """The policy being trained."""

@@ -88,7 +88,7 @@ class SGLangRolloutEngine:
         self.last_pause: list[dict] = []  # each server's last pause reply body (timings)
         self.where: dict[str, ServerSlot] = {}  # response id -> the server slot that holds it
         self._lost: list[str] = []  # ids of lost servers the loop has not collected yet
-        self._held: list[Chunk] = []  # training outputs that arrived while evaluating
+        self._deferred: list[Chunk] = []  # training outputs that arrived while evaluating
         self.pool = ServerPool(endpoints, processes=processes, relaunch=relaunch, curve=curve, timeout_s=timeout_s,
                                poll_wait_s=poll_wait_s)
         self.paused = any(s.paused for s in self.pool.servers)  # resume() resumes the servers found paused
@@ -100,7 +100,7 @@ class SGLangRolloutEngine:
         self._submit([_request(r) for r in responses], _wire(sampling))
 
     def wait_finished(self, timeout: float) -> list[Chunk]:
-        chunks, self._held = self._held, []
+        chunks, self._deferred = self._deferred, []
         chunks += self._take_events(0.0 if chunks else timeout)
         self._check_servers()
         return chunks
@@ -209,6 +209,10 @@ class SGLangRolloutEngine:
         ids, self._lost = self._lost, []
         return ids
 
+    def response_ids(self) -> set[str]:
+        """Ids on a server, and those of a lost server that `lost()` has not handed out yet."""
+        return set(self.where).union(self._lost)
+
     # --- evaluation, queries and lifecycle ---------------------------------------------------------------
 
     def generate(self, prompts: Sequence[np.ndarray], max_new_tokens: int, sampling: SamplingParams,
@@ -229,7 +233,7 @@ class SGLangRolloutEngine:
                 if c.response_id in reqs:
                     got[c.response_id] = c.token_ids.copy()  # a fresh response's only delta is its whole output
                 else:
-                    self._held.append(c)
+                    self._deferred.append(c)
             self._check_servers()
             again = [reqs[rid] for rid in self._lost if rid in reqs]
             if again:  # evaluation responses of a lost server: this call still holds their prompts

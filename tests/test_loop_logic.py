@@ -110,6 +110,9 @@ class ScriptedEngine:
         lost, self.lost_ids = self.lost_ids, []
         return lost
 
+    def response_ids(self):
+        return set(self.tracked).union(self.lost_ids)
+
 
 class ScriptedTrainer:
     """New log-probs drift from the engine's by `drift` per version of staleness."""
@@ -378,7 +381,7 @@ def test_after_the_switch_no_backlog_is_generated_and_thrown_away():
     switch_step, after = steps[at], steps[at + 1 :]
     assert 1 <= at <= 4 and switch_step["n_carried"] > 40
     # the switch's whole cost: the backlog it sends back to the prompts, no more than one step's generation
-    held_back = switch_step.get("held_back_cut_tokens", 0.0)
+    held_back = switch_step.get("backlog_cut_tokens", 0.0)
     wasted = held_back + sum(m["cut"] for m in after)
     assert 0 < wasted <= switch_step["tokens_generated"]
     assert len(switch_step["engine_groups"]) <= 4  # only the next step's groups stay on the engine

@@ -280,7 +280,7 @@ def test_engine_mode_pushes_weights_first_overlaps_new_groups_and_cuts_the_engin
         assert m["n_launched_while_verifying"] > 0 and engine.generating[-1] > 0
         assert m["logprob_wait_s"] >= 0 and not engine.held and not engine.paused
         lengths = {rid: st["len"] for rid, st in engine.tracked.items()}
-        assert lengths == {rid: loop.buffer.get(rid).num_tokens for rid in loop.on_engine}
+        assert lengths == {rid: loop.buffer.get(rid).num_tokens for rid in engine.response_ids()}
         cut_steps += m["verify/truncated"] > 0
     assert cut_steps > 0 and loop.trainer.forwards == []
 
@@ -291,8 +291,7 @@ def test_responses_the_engines_do_not_hold_are_verified_on_the_trainer():
     loop.rollout()  # the next phase, ending paused: what the step's verification finds
     carried = [r.response_id for r in loop.buffer.carried_over()]
     gone = carried[::2]
-    loop.on_engine.difference_update(gone)  # as after a restore: the engines hold none of these
-    loop.engine.drop(gone)
+    loop.engine.drop(gone)  # as after a restore: the engines hold none of these
     m = loop.verify()
     assert loop.trainer.forwards == [gone]
     assert loop.engine.calls[-1][1] == [rid for rid in carried if rid not in gone]

@@ -215,7 +215,10 @@ def selective_freed_bytes(a: ModelArch, lay: TrainerLayout) -> int:
 
 
 @dataclass(frozen=True)
-class TrainerMemory:
+class TrainerEstimate:
+    """The plan's per-GPU estimate of a trainer rank's memory, in bytes (the offload manager of a running rank is
+    megatron_bridge.offload.TrainerMemory)."""
+
     weights: int
     gradients: int
     optimizer: int
@@ -228,7 +231,7 @@ class TrainerMemory:
         return self.weights + self.gradients + self.optimizer + self.activations + self.logits
 
 
-def trainer_memory(a: ModelArch, lay: TrainerLayout, context: int) -> TrainerMemory:
+def trainer_memory(a: ModelArch, lay: TrainerLayout, context: int) -> TrainerEstimate:
     """Per-GPU bytes of the fullest pipeline stage (see the module docstring)."""
     stages = [stage_params(a, lay, s) for s in range(lay.pp)]
     p = max(stages, key=lambda c: c.total)
@@ -244,7 +247,7 @@ def trainer_memory(a: ModelArch, lay: TrainerLayout, context: int) -> TrainerMem
         acts = tokens * a.num_layers * per_layer
     # final hidden states (bf16, TP-replicated) + one chunk of logits: bf16 product, fp32 copy, exp, gradient
     logits = tokens * 2 * a.hidden_size + min(tokens, lay.logprob_chunk_tokens) * (a.vocab_size // lay.tp) * 14
-    return TrainerMemory(
+    return TrainerEstimate(
         weights=2 * p.total,
         gradients=4 * p.total,
         optimizer=12 * p.dense // (lay.dp * lay.cp) + 12 * p.expert // expert_dp,
@@ -289,7 +292,7 @@ class Plan:
     gpus_per_server: int
     ranks: list[tuple[int, int | None]]  # rank -> (node, local GPU or None on CPU)
     servers: list[Server]
-    trainer: TrainerMemory
+    trainer: TrainerEstimate
     server: ServerMemory
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # observations that do not stop the run
