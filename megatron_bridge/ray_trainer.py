@@ -1,10 +1,11 @@
-"""`RayTrainer`: the trainer ranks as Ray actors pinned to the run's placement group (`cluster.launcher: ray`).
+"""`RayRanks`: the trainer ranks as Ray actors (`cluster.launcher: ray`), a `RankGroup` for `TrainerProxy`.
 
-Each rank is a `TrainerRank` actor on the bundle of its plan node (rollverify.app.cluster). Rank 0 reports its node's
-address and a port it bound there; every rank then sets up torch.distributed from them (gloo on CPU, NCCL on
-GPU, `LOCAL_RANK` = the plan's GPU on its node) and builds its `MegatronTrainer` through the same rank-side code
-as the local launcher (megatron_bridge.spawned.start_rank / run_call). The driver object is a `SpawnedTrainer`
-whose calls travel as actor calls instead of pipe messages, so the loop drives it through the same methods.
+Each rank is a `TrainerRank` actor; the application places them (on the bundle of each rank's plan node,
+rollverify.app.ray_placement) and hands the handles over. Rank 0 reports its node's address and a port it bound
+there; every rank then sets up torch.distributed from them (gloo on CPU, NCCL on GPU, `LOCAL_RANK` = the GPU the
+actor was given) and builds its `MegatronTrainer` through the same rank-side code as the local launcher
+(megatron_bridge.spawned.start_rank / run_call). The calls travel as actor calls instead of pipe messages, so the
+loop drives the same `TrainerProxy` methods.
 
 Weight buckets that rank 0 streams (sync_weights, the HF export) reach the driver's sink through a bounded queue
 in the rank-0 actor, drained by the driver while the call runs; they travel as CPU tensors in Ray's object

@@ -2,8 +2,8 @@
 
 SPMD: every rank constructs the trainer and calls each method with the same arguments (the full batch); the
 trainer takes its data-parallel share itself and returns the full result on every rank. World size 1 runs in
-the caller's process; `SpawnedTrainer` runs N ranks as child processes behind the same methods, so the loop's
-driver stays a plain sequence of calls.
+the caller's process; `megatron_bridge.proxy.TrainerProxy` gives N ranks elsewhere (child processes or Ray
+actors) the same methods, so the loop's driver stays a plain sequence of calls.
 
 Micro-batches go through Megatron-Core's forward-backward schedule (pipeline parallelism for free) with
 `calculate_per_token_loss`: each micro-batch returns its summed token loss and token count, and Megatron divides
@@ -311,7 +311,7 @@ class MegatronTrainer:
     def send_weights(self, spec, version: int | None = None, bucket_bytes: int = 64 << 20,
                      dtype: torch.dtype | None = None) -> dict[str, float]:
         """Stream the weights to the servers through a transport whose data path starts on the ranks
-        (`sglang_ext.weight_transport.TransportSpec`): each rank sends from its own `spec.open_sink(rank)`, or
+        (`rollverify.app.weight_transport.TransportSpec`): each rank sends from its own `spec.open_sink(rank)`, or
         only joins the gathers; nothing crosses the driver."""
         self.version = self.step_count if version is None else int(version)
         return self.weights.send(spec, self.version, bucket_bytes, dtype)

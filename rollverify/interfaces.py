@@ -113,7 +113,7 @@ class WeightSync(Protocol):
     """How a new policy reaches the engine, and (colocated) how the engine and the trainer take turns on the GPUs.
 
     `InMemoryWeights` (rollverify.loop) pushes the trainer's buckets through the driver; on a cluster
-    `sglang_ext.weight_transport.TransportWeights` streams them from the trainer's ranks to the servers."""
+    `rollverify.app.weight_transport.TransportWeights` streams them from the trainer's ranks to the servers."""
 
     def before_training(self) -> None:
         """The rollout phase is over (the engine is paused): the trainer may take the GPU memory."""

@@ -7,10 +7,10 @@ carries control only.
     colocated       ipc            trainer rank --CUDA IPC handle (shared memory on CPU)--> the server on its GPUs
 
 `ServerControl` is a trainer rank's `BucketControl` (megatron_bridge.weight_sync): its own ZMQ connections to the
-servers of a `ServerTargets` (the server ops of `sglang_ext/ops/transport.py`), while the trainer wing's sender
+servers of a `ServerTargets` (the server handlers of `sglang_ext/handlers/transport.py`), while the trainer wing's sender
 moves the bytes; the application joins the two (rollverify.app.weight_transport). A version is committed on the
 servers only after every server has loaded every bucket; any failure aborts the stream on every server, which
-then keeps reporting its old version (see the ops module for a half-loaded engine) and the error names the
+then keeps reporting its old version (see the handlers module for a half-loaded engine) and the error names the
 server.
 """
 

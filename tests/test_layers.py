@@ -214,8 +214,8 @@ def test_the_check_catches_each_kind_of_wrong_way_import(tmp_path):
         "rollverify/verify.py": "import importlib\nm = importlib.import_module('sglang_ext.client')\n",
         "sglang_ext/client.py": "from rollverify.types import X\nfrom . import pool\n",
         "sglang_ext/pool.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from megatron_bridge import trainer\n",
-        "sglang_ext/server.py": "from sglang_ext import ops\n",
-        "sglang_ext/ops.py": "import typing\nif typing.TYPE_CHECKING:\n    from sglang_ext.server import S\n",
+        "sglang_ext/server.py": "from sglang_ext import handlers\n",
+        "sglang_ext/handlers.py": "import typing\nif typing.TYPE_CHECKING:\n    from sglang_ext.server import S\n",
         "megatron_bridge/trainer.py": "import rollverify.app.run as r\n",  # wing -> app
     })
     found = {(a.path, a.line, a.target) for a in wrong_way(root)}
@@ -228,7 +228,7 @@ def test_the_check_catches_each_kind_of_wrong_way_import(tmp_path):
         ("sglang_ext/pool.py", 3, "megatron_bridge.trainer"),
         ("megatron_bridge/trainer.py", 1, "rollverify.app.run"),
     }
-    # run -> loop -> run and run -> trainer -> run; server <-> ops is for type checkers only
+    # run -> loop -> run and run -> trainer -> run; server <-> handlers is for type checkers only
     assert cycles(root) == [["megatron_bridge.trainer", "rollverify.app.run", "rollverify.loop"]]
 
 
