@@ -12,7 +12,8 @@ from engine_fixtures import SMALL_RUN
 
 from rollverify.app.cli import main as cli_main
 from rollverify.app.config import load_config
-from rollverify.app.train import resolve_model, train
+from rollverify.app.start import resolve_model
+from rollverify.app.train import train
 from rollverify.tasks import get_task
 
 pytestmark = [pytest.mark.engine, pytest.mark.megatron]
@@ -31,7 +32,7 @@ def _tensors(folder):
 def served_export(tmp_path_factory):
     """An HF export of the initial policy (MegatronTrainer -> export_trainer), served by `rollverify serve`."""
     from rollverify.app.export import export_trainer
-    from rollverify.app.train import start_trainer
+    from rollverify.app.start import start_trainer
     from sglang_ext import cpu_compat
     from sglang_ext.launch import launch_server
 

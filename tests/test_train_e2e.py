@@ -13,7 +13,8 @@ from engine_fixtures import SMALL_RUN
 
 from rollverify.app.cli import main as cli_main
 from rollverify.app.config import load_config
-from rollverify.app.train import resolve_model, train
+from rollverify.app.start import resolve_model
+from rollverify.app.train import train
 from rollverify.buffer import RolloutBuffer
 from rollverify.types import Group
 

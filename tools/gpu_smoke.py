@@ -58,8 +58,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 # dependencies may load, and of the project only these modules (which import nothing else)
 HEAVY_PACKAGES = ("sglang", "sglang_ext", "sgl_kernel", "flashinfer", "vllm", "ray", "zmq", "wandb", "pydantic",
                   "pandas", "pyarrow", "datasets", "orjson", "uvloop", "fastapi")
-PROJECT_MODULES = ("megatron_bridge", "rollverify", "rollverify.app.tiny_model", "rollverify.verify",
-                   "rollverify.losses", "rollverify.app.config", "rollverify.strategies", "rollverify.types")
+PROJECT_MODULES = ("megatron_bridge", "rollverify", "rollverify.app", "rollverify.app.tiny_model", "rollverify.verify",
+                   "rollverify.losses", "rollverify.sections", "rollverify.strategies", "rollverify.types")
 
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12,
                    "L40S": 362e12, "B200": 2250e12, "GH200": 989e12}

@@ -140,7 +140,8 @@ def cli_main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides applied to every run")
     a = p.parse_args(argv)
 
-    from rollverify.app.train import resolve_model, train
+    from rollverify.app.start import resolve_model
+    from rollverify.app.train import train
     from sglang_ext import cpu_compat
     from sglang_ext.launch import ServerStartError, launch_server
 

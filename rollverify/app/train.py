@@ -30,7 +30,6 @@ from rollverify.tasks.reward import task_reward
 from rollverify.types import Group, Response
 
 CKPT = rundir.CHECKPOINT
-__all__ = ["Run", "train", "cli_main", "resolve_model", "start_engine", "start_trainer"]
 
 
 class Run:
