@@ -176,8 +176,12 @@ class SGLangRolloutEngine:
 
     def restart_weights(self, *, source: Callable[[], Iterator[list[tuple[str, Any]]]] | None = None,
                         restore: Callable[[ServerAddress, int], Any] | None = None) -> None:
-        """How a restarted server gets the current policy from now on (see the class docstring)."""
-        self.weight_source, self.restore_weights = source, restore
+        """How a restarted server gets the current policy from now on (see the class docstring): each one given
+        replaces the current one. `source` also serves `update_weights` again after a failed push."""
+        if source is not None:
+            self.weight_source = source
+        if restore is not None:
+            self.restore_weights = restore
 
     def live_servers(self) -> list[ServerAddress]:
         """The servers that serve now, in index order."""
