@@ -2,9 +2,10 @@
 
 Entry points (import the submodules; importing this package pulls in nothing heavy):
 
-* `trainer.MegatronTrainer(model_path, rollverify.config.TrainerConfig(...))`: one SPMD rank (world size 1
-  runs in-process);
-  `spawned.SpawnedTrainer` / `spawned.make_trainer(..., world_size=N)`: N ranks behind the same methods;
+* `trainer.MegatronTrainer(model_path, config.TrainerConfig(...))`: one SPMD rank (world size 1 runs
+  in-process); `config.TrainerConfig` is the run config's `trainer` section, with its `check()`;
+  `proxy.TrainerProxy`: the same methods over a rank group (`spawned.PipeRanks`: child processes,
+  `spawned.spawn_trainer` / `spawned.make_trainer(..., world_size=N)`; `ray_trainer.RayRanks`: Ray actors);
   `loop_adapter.LoopTrainer`: the loop's `rollverify.interfaces.Trainer` over either.
 * `convert`: HF <-> Megatron-Core weights for Qwen3 / Qwen3-MoE (TP, EP, PP), `iter_hf_tensors` streaming.
 * `weight_sync`: `WeightSink` (begin/push/end): in-memory, disk and callable sinks, and `TransportSink`, the

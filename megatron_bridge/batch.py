@@ -128,11 +128,3 @@ def check_batch(seqs: list[TrainSequence], *, max_seq_len: int, context_length: 
         if lo < 0 or hi >= vocab_size:
             raise ValueError(f"sequence {i} has token ids in [{lo}, {hi}], outside the model's vocabulary "
                              f"[0, {vocab_size})")
-
-
-def check_all_routes(seqs: list[TrainSequence], num_layers: int, top_k: int, num_experts: int) -> None:
-    """Every rank checks every sequence's routes, so a bad array fails all ranks before any collective."""
-    from megatron_bridge.replay import check_routes  # replay builds on this module
-
-    for i, s in enumerate(seqs):
-        check_routes(s, num_layers, top_k, num_experts, where=str(i))

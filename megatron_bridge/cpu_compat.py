@@ -345,10 +345,3 @@ def deactivate() -> None:
         owner, name, value = _ORIGINALS.pop()
         setattr(owner, name, value)
     _ACTIVE = False
-
-
-def activate_if_needed(device: str | torch.device | None = None) -> bool:
-    """Activate when `needed(device)`; returns whether the CPU routes are on."""
-    if needed(device):
-        activate()
-    return _ACTIVE

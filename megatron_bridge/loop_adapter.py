@@ -1,4 +1,4 @@
-"""`LoopTrainer`: the loop's `rollverify.interfaces.Trainer` over a MegatronTrainer or SpawnedTrainer.
+"""`LoopTrainer`: the loop's `rollverify.interfaces.Trainer` over a MegatronTrainer or a TrainerProxy.
 
 The loop speaks in `Response`s (engine log-probs in `logprobs`, routes split into prompt and per-token parts)
 and one advantage per response; the Megatron side takes `TrainSequence`s, and `train_sequence` is the one
@@ -30,6 +30,8 @@ def train_sequence(response: Response, advantage: float | None = None) -> TrainS
 
 
 class LoopTrainer:
+    """The loop's trainer, and what the application asks of it besides (export, checkpoints, close)."""
+
     def __init__(self, trainer: Any, bucket_bytes: int = 64 << 20) -> None:
         self.trainer = trainer
         self.bucket_bytes = bucket_bytes
@@ -53,12 +55,12 @@ class LoopTrainer:
         return buckets(self.trainer.iter_hf_tensors(), self.bucket_bytes)
 
     def send_weights(self, spec: Any, version: int, bucket_bytes: int | None = None) -> dict[str, float]:
-        """The ranks stream the weights to the servers of `spec` (sglang_ext.weight_transport) themselves."""
+        """The ranks stream the weights to the servers of `spec` (rollverify.app.weight_transport) themselves."""
         return self.trainer.send_weights(spec, version, bucket_bytes or self.bucket_bytes)
 
     def offload(self, kinds: Sequence[str] = ("params", "grads", "optimizer")) -> dict[str, float]:
         """Every rank releases the device memory of `kinds` until `reload` (the colocated handoff's
-        `trainer_memory`, sglang_ext.weight_transport.TransportWeights)."""
+        `trainer_memory`, rollverify.app.weight_transport.TransportWeights)."""
         return self.trainer.offload(tuple(kinds))
 
     def reload(self) -> dict[str, float]:
@@ -70,3 +72,15 @@ class LoopTrainer:
 
     def load(self, path: str) -> None:
         self.trainer.load_checkpoint(path)
+
+    def export_hf_state(self, out_dir: str) -> Any:
+        """The current policy as a Hugging Face weights folder `out_dir` (`MegatronTrainer.export_hf_state`)."""
+        return self.trainer.export_hf_state(out_dir)
+
+    @property
+    def ranks(self) -> Any:
+        """The rank group of a `TrainerProxy` (None: the trainer runs in this process)."""
+        return getattr(self.trainer, "ranks", None)
+
+    def close(self) -> None:
+        self.trainer.close()

@@ -24,10 +24,10 @@ from megatron_bridge.batch import (
     plan_micro_batches,
     split_for_data_parallel,
 )
+from megatron_bridge.config import TrainerConfig
 from megatron_bridge.convert import Layout
 from megatron_bridge.logprobs import chunked_logprob_entropy, output_weight
 from megatron_bridge.model import ModelArch, packed_forward, unwrap
-from rollverify.config import TrainerConfig
 
 # loss_of_mb(micro-batch, last stage's output) -> (loss sum, normaliser count, record): Megatron's loss_func
 LossOfMicroBatch = Callable[[MicroBatch, torch.Tensor], tuple]

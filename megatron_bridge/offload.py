@@ -1,5 +1,5 @@
 """`TrainerMemory`: one trainer rank's parameters, gradients and optimizer state leave the device between
-training phases and come back before the next (the colocated memory handoff, `TransportWeights`).
+training phases and come back before the next (the colocated memory handoff, `rollverify.app.weight_transport.TransportWeights`).
 
 It works on storages, as verl's Megatron workers do with the DDP buffers: Megatron-Core keeps the parameters
 and the gradients in a few flat buffers, and every parameter, `main_grad`, bucket and distributed-optimizer shard

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from megatron_bridge.batch import MicroBatch, TrainSequence
+from megatron_bridge.config import TrainerConfig
 from rollverify import losses
-from rollverify.config import TrainerConfig
 
 KINDS = ("ppo", "gspo", "sapo", "vespo")
 

@@ -1,10 +1,11 @@
-"""`RayTrainer`: the trainer ranks as Ray actors pinned to the run's placement group (`cluster.launcher: ray`).
+"""`RayRanks`: the trainer ranks as Ray actors (`cluster.launcher: ray`), a `RankGroup` for `TrainerProxy`.
 
-Each rank is a `TrainerRank` actor on the bundle of its plan node (rollverify.cluster). Rank 0 reports its node's
-address and a port it bound there; every rank then sets up torch.distributed from them (gloo on CPU, NCCL on
-GPU, `LOCAL_RANK` = the plan's GPU on its node) and builds its `MegatronTrainer` through the same rank-side code
-as the local launcher (megatron_bridge.spawned.start_rank / run_call). The driver object is a `SpawnedTrainer`
-whose calls travel as actor calls instead of pipe messages, so the loop drives it through the same methods.
+Each rank is a `TrainerRank` actor; the application places them (on the bundle of each rank's plan node,
+rollverify.app.ray_placement) and hands the handles over. Rank 0 reports its node's address and a port it bound
+there; every rank then sets up torch.distributed from them (gloo on CPU, NCCL on GPU, `LOCAL_RANK` = the GPU the
+actor was given) and builds its `MegatronTrainer` through the same rank-side code as the local launcher
+(megatron_bridge.spawned.start_rank / run_call). The calls travel as actor calls instead of pipe messages, so the
+loop drives the same `TrainerProxy` methods.
 
 Weight buckets that rank 0 streams (sync_weights, the HF export) reach the driver's sink through a bounded queue
 in the rank-0 actor, drained by the driver while the call runs; they travel as CPU tensors in Ray's object
@@ -17,15 +18,13 @@ from __future__ import annotations
 import queue
 import socket
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from megatron_bridge.spawned import SpawnedTrainer, run_call, start_rank
-from rollverify.config import TrainerConfig
-
-if TYPE_CHECKING:
-    from rollverify.cluster import RayCluster
+from megatron_bridge.config import TrainerConfig
+from megatron_bridge.proxy import STREAMS
+from megatron_bridge.spawned import RankSetup, run_call, start_rank
 
 DONE = "done"
 
@@ -64,10 +63,11 @@ class TrainerRank:
             port = s.getsockname()[1]
         return ip, port, ray.get_runtime_context().get_node_id()
 
-    def setup(self, master: tuple[str, int], model_path: str, cfg: TrainerConfig, dtype: str, seed: int) -> None:
+    def setup(self, master: tuple[str, int], model_path: str, cfg: TrainerConfig, dtype: str, seed: int,
+              setup: RankSetup | None = None) -> None:
         self._device()
         self.trainer = start_rank(self.rank, self.world_size, master, model_path, cfg, dtype, seed, self.threads,
-                                  self.local_rank)
+                                  self.local_rank, setup)
 
     def call(self, method: str, args: tuple, kwargs: dict, stream: bool) -> Any:
         self._device()  # a threaded actor runs calls on pool threads; the CUDA device is per thread
@@ -93,31 +93,22 @@ class TrainerRank:
             torch.cuda.set_device(self.local_rank)
 
 
-class RayTrainer(SpawnedTrainer):
-    """`MegatronTrainer` over Ray actors placed by `cluster` (plan rank r on plan node `cluster.plan.ranks[r]`)."""
+class RayRanks:
+    """The trainer's ranks over `TrainerRank` actors already placed (`actors[r]` is rank r, `where[r]` names its
+    node for messages): `__init__` forms their process group and builds every rank's trainer."""
 
-    def __init__(self, model_path: str, cfg: TrainerConfig, cluster: RayCluster, *, dtype: str = "auto",
-                 seed: int = 1234, timeout_s: float | None = None, threads_per_rank: int = 1) -> None:
-        import ray
-
-        self.cfg = cfg
-        self.cluster = cluster
-        self.world_size = len(cluster.plan.ranks)
+    def __init__(self, actors: list[Any], where: list[str], model_path: str, cfg: TrainerConfig, *,
+                 dtype: str = "auto", seed: int = 1234, timeout_s: float | None = None,
+                 setup: RankSetup | None = None) -> None:
+        self.world_size = len(actors)
         self.timeout_s = cfg.call_timeout_s if timeout_s is None else timeout_s
         self._lock = threading.Lock()
-        actor = ray.remote(max_concurrency=2)(TrainerRank)
-        self._where = [cluster.node_name(node) for node, _ in cluster.plan.ranks]
-        self._actors = [
-            actor.options(**cluster.actor_options(node, num_gpus=cluster.rank_gpus[r])).remote(
-                r, self.world_size, gpu, threads_per_rank)
-            for r, (node, gpu) in enumerate(cluster.plan.ranks)
-        ]
-        self._conns, self._procs = [], []  # SpawnedTrainer's pipes: none here
+        self._actors, self._where = list(actors), list(where)
         try:
-            where = self._gather([a.address.remote() for a in self._actors], what="address")
-            self.rank_nodes = [node_id for _, _, node_id in where]  # the Ray node of each rank
-            ip, port, _ = where[0]
-            self._gather([a.setup.remote((ip, port), str(model_path), cfg, dtype, seed) for a in self._actors],
+            found = self._gather([a.address.remote() for a in self._actors], what="address")
+            self.nodes = [node_id for _, _, node_id in found]  # the Ray node of each rank
+            ip, port, _ = found[0]
+            self._gather([a.setup.remote((ip, port), str(model_path), cfg, dtype, seed, setup) for a in self._actors],
                          what="setup")
         except BaseException:
             self.close(force=True)
@@ -152,12 +143,12 @@ class RayTrainer(SpawnedTrainer):
                 pending.append(ready[0])
         return out
 
-    def _call(self, method: str, *args, _sink=None, **kwargs) -> Any:
-        stream = method in ("sync_weights", "iter_hf_tensors")
+    def call(self, method: str, args: tuple, kwargs: dict, sink=None) -> Any:
+        stream = method in STREAMS
         with self._lock:
             refs = [a.call.remote(method, args, kwargs, stream) for a in self._actors]
             if stream:
-                self._drain(refs, _sink)
+                self._drain(refs, sink)
             return self._gather(refs, what=method)[0]
 
     def _drain(self, refs: list, sink) -> None:
@@ -195,7 +186,7 @@ class RayTrainer(SpawnedTrainer):
     def close(self, force: bool = False) -> None:
         import ray
 
-        actors, self._actors = getattr(self, "_actors", []), []
+        actors, self._actors = self._actors, []
         if not force and actors:
             try:
                 ray.get([a.close.remote() for a in actors], timeout=30)

@@ -57,6 +57,12 @@ def check_routes(seq: TrainSequence, num_layers: int, top_k: int, num_experts: i
     return r
 
 
+def check_all_routes(seqs: list[TrainSequence], num_layers: int, top_k: int, num_experts: int) -> None:
+    """Every rank checks every sequence's routes, so a bad array fails all ranks before any collective."""
+    for i, s in enumerate(seqs):
+        check_routes(s, num_layers, top_k, num_experts, where=str(i))
+
+
 def attach_routes(mb: MicroBatch, seqs: list[TrainSequence], num_layers: int, top_k: int,
                   num_experts: int) -> None:
     """Fill `mb.routes` (one `[S*B, top_k]` int64 tensor per MoE layer) from the sequences' engine routes."""

@@ -1,10 +1,11 @@
-"""`SpawnedTrainer`: N trainer ranks in child processes behind `MegatronTrainer`'s methods.
+"""`PipeRanks`: N trainer ranks in child processes on this machine, the local launcher's `RankGroup`.
 
-The driver (the loop's process) never imports Megatron-Core; it sends each call to every rank over a pipe
-and returns rank 0's answer. Weight sync streams rank 0's buckets back over the pipe (as `torch.save` bytes for
-CPU tensors, as CUDA IPC handles for GPU tensors) and feeds the driver's sink, so the sink object (an SGLang
-client, a disk folder) stays in the driver. Any rank's exception is re-raised in the driver with its traceback;
-a rank that dies or stalls past `timeout_s` fails the call instead of hanging it.
+The driver (the loop's process) sends each call to every rank over a pipe and returns rank 0's answer
+(`megatron_bridge.proxy.TrainerProxy` gives it `MegatronTrainer`'s methods). Weight sync streams rank 0's buckets
+back over the pipe (as `torch.save` bytes for CPU tensors, as CUDA IPC handles for GPU tensors) and feeds the
+driver's sink, so the sink object (an SGLang client, a disk folder) stays in the driver. Any rank's exception is
+re-raised in the driver with its traceback; a rank that dies or stalls past `timeout_s` fails the call instead
+of hanging it. `start_rank` and `run_call` are the rank side that both launchers' rank processes share.
 """
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ import atexit
 import io
 import os
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from megatron_bridge.config import TrainerConfig
 from megatron_bridge.parallel import free_port
-from rollverify.config import TrainerConfig
+from megatron_bridge.proxy import TrainerProxy
 
 
 def _pack(bucket: list[tuple[str, torch.Tensor]]) -> tuple[str, bytes]:
@@ -58,17 +60,20 @@ class _PipeSink:
         self.conn.send(("end", version))
 
 
+RankSetup = Callable[[], None]  # run first in every rank process (a module-level function: it is pickled)
+
+
 def start_rank(rank: int, world_size: int, master: tuple[str, int], model_path: str, cfg: TrainerConfig, dtype: str,
-               seed: int, threads: int, local_rank: int | None = None):
-    """One trainer rank in this process: the torch.distributed rendezvous at `master` (address, port) and its
+               seed: int, threads: int, local_rank: int | None = None, setup: RankSetup | None = None):
+    """One trainer rank in this process: `setup()` (e.g. the application's warning filters: each rank is a fresh
+    process that the driver's do not reach), the torch.distributed rendezvous at `master` (address, port) and its
     `MegatronTrainer`. `local_rank` is the GPU it uses (default: `rank`). Shared by both launchers' rank
     processes (the local child processes here, megatron_bridge.ray_trainer's actors)."""
     os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank if local_rank is None else local_rank))
     torch.set_num_threads(threads)
-    from rollverify.console import quiet_cpu_warnings
-
-    quiet_cpu_warnings()  # each rank is a fresh process: the driver's filters do not reach it
+    if setup is not None:
+        setup()
     from megatron_bridge.trainer import MegatronTrainer
 
     return MegatronTrainer(model_path, cfg, dtype=dtype, seed=seed)
@@ -87,9 +92,10 @@ def run_call(trainer, rank: int, method: str, args: tuple, kwargs: dict, sink) -
 
 
 def _worker(rank: int, world_size: int, port: int, model_path: str, cfg: TrainerConfig, dtype: str, seed: int,
-            conn, threads: int) -> None:
+            conn, threads: int, setup: RankSetup | None) -> None:
     try:
-        trainer = start_rank(rank, world_size, ("127.0.0.1", port), model_path, cfg, dtype, seed, threads)
+        trainer = start_rank(rank, world_size, ("127.0.0.1", port), model_path, cfg, dtype, seed, threads,
+                             setup=setup)
         conn.send(("ok", None))
     except BaseException:  # noqa: BLE001 - reported to the driver
         conn.send(("error", traceback.format_exc()))
@@ -112,17 +118,17 @@ def _worker(rank: int, world_size: int, port: int, model_path: str, cfg: Trainer
         pass
 
 
-class SpawnedTrainer:
-    """`MegatronTrainer` over `world_size` child processes (gloo on CPU, NCCL on GPU)."""
+class PipeRanks:
+    """`world_size` `MegatronTrainer` ranks in child processes (gloo on CPU, NCCL on GPU)."""
 
     def __init__(self, model_path: str | os.PathLike, cfg: TrainerConfig | None = None, world_size: int = 2,
                  timeout_s: float | None = None, threads_per_rank: int | None = None, *, dtype: str = "auto",
-                 seed: int = 1234) -> None:
+                 seed: int = 1234, setup: RankSetup | None = None) -> None:
         import torch.multiprocessing as mp
 
-        self.cfg = cfg or TrainerConfig()
+        cfg = cfg or TrainerConfig()
         self.world_size = world_size
-        self.timeout_s = self.cfg.call_timeout_s if timeout_s is None else timeout_s
+        self.timeout_s = cfg.call_timeout_s if timeout_s is None else timeout_s
         ctx = mp.get_context("spawn")
         port = free_port()
         threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
@@ -131,8 +137,8 @@ class SpawnedTrainer:
             parent, child = ctx.Pipe()
             # not daemonic: a rank starts processes of its own (Megatron-Core's checkpoint writers); a rank whose
             # driver is gone reads EOF on its pipe and exits, and `close` runs at the driver's exit (atexit)
-            p = ctx.Process(target=_worker, args=(r, world_size, port, str(model_path), self.cfg, dtype, seed, child, threads),
-                            daemon=False)
+            p = ctx.Process(target=_worker, daemon=False,
+                            args=(r, world_size, port, str(model_path), cfg, dtype, seed, child, threads, setup))
             p.start()
             child.close()
             self._conns.append(parent)
@@ -184,61 +190,10 @@ class SpawnedTrainer:
             raise RuntimeError("trainer rank failed:\n" + "\n".join(errors))
         return result
 
-    def _call(self, method: str, *args, _sink=None, **kwargs) -> Any:
+    def call(self, method: str, args: tuple, kwargs: dict, sink=None) -> Any:
         for c in self._conns:
             c.send((method, args, kwargs))
-        return self._replies(_sink)
-
-    # -------------------------------------------------------------------------------------------- API
-
-    def compute_logprobs(self, batch, *, replay: bool | None = None, temperature: float = 1.0):
-        return self._call("compute_logprobs", list(batch), replay=replay, temperature=temperature)
-
-    def train_step(self, batch, *, temperature: float = 1.0, policy_version: int | None = None) -> dict[str, float]:
-        return self._call("train_step", list(batch), temperature=temperature, policy_version=policy_version)
-
-    def loss_on(self, batch, old_logprobs, *, temperature: float = 1.0) -> dict[str, float]:
-        return self._call("loss_on", list(batch), old_logprobs, temperature=temperature)
-
-    def sync_weights(self, sink, version: int | None = None, bucket_bytes: int = 64 << 20,
-                     dtype: torch.dtype | None = None) -> dict[str, float]:
-        from megatron_bridge.weight_sync import CallableSink, WeightSink
-
-        if not isinstance(sink, WeightSink):
-            sink = CallableSink(sink)
-        return self._call("sync_weights", version, bucket_bytes, dtype, _sink=sink)
-
-    def send_weights(self, spec, version: int | None = None, bucket_bytes: int = 64 << 20,
-                     dtype: torch.dtype | None = None) -> dict[str, float]:
-        """The ranks stream the weights to the servers themselves (`MegatronTrainer.send_weights`)."""
-        return self._call("send_weights", spec, version, bucket_bytes, dtype)
-
-    def offload(self, kinds: tuple[str, ...] = ("params", "grads", "optimizer")) -> dict[str, float]:
-        """Every rank releases the device memory of `kinds` (`MegatronTrainer.offload`); rank 0's bytes."""
-        return self._call("offload", tuple(kinds))
-
-    def reload(self, kinds: tuple[str, ...] | None = None) -> dict[str, float]:
-        """Every rank brings back what `offload` released (`MegatronTrainer.reload`)."""
-        return self._call("reload", kinds)
-
-    def iter_hf_tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """Materialises the export in the driver, then yields it (the ranks stream it bucket by bucket)."""
-        return iter(self.export_hf_state(dtype=dtype).items())
-
-    def export_hf_state(self, out_dir=None, dtype: torch.dtype | None = None):
-        if out_dir is not None:
-            return self._call("export_hf_state", str(out_dir), dtype)
-        from megatron_bridge.weight_sync import InMemorySink
-
-        sink = InMemorySink()
-        self._call("iter_hf_tensors", _sink=sink, dtype=dtype)
-        return sink.state
-
-    def save_checkpoint(self, ckpt_dir) -> Any:
-        return self._call("save_checkpoint", str(ckpt_dir))
-
-    def load_checkpoint(self, ckpt_dir) -> None:
-        return self._call("load_checkpoint", str(ckpt_dir))
+        return self._replies(sink)
 
     def close(self, force: bool = False) -> None:
         atexit.unregister(self.close)
@@ -257,18 +212,21 @@ class SpawnedTrainer:
                 p.join()
         self._procs, self._conns = [], []
 
-    def __enter__(self) -> SpawnedTrainer:
-        return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+def spawn_trainer(model_path: str | os.PathLike, cfg: TrainerConfig | None = None, world_size: int = 2,
+                  timeout_s: float | None = None, threads_per_rank: int | None = None, *, dtype: str = "auto",
+                  seed: int = 1234, setup: RankSetup | None = None) -> TrainerProxy:
+    """`MegatronTrainer`'s methods over `world_size` child-process ranks (`PipeRanks`)."""
+    return TrainerProxy(PipeRanks(model_path, cfg, world_size, timeout_s, threads_per_rank, dtype=dtype, seed=seed,
+                                  setup=setup))
 
 
 def make_trainer(model_path, cfg: TrainerConfig | None = None, world_size: int = 1, *, dtype: str = "auto",
-                 seed: int = 1234, **kwargs):
-    """World size 1: `MegatronTrainer` in this process; more: `SpawnedTrainer` (same methods)."""
+                 seed: int = 1234, setup: RankSetup | None = None, **kwargs):
+    """World size 1: `MegatronTrainer` in this process (the driver's own, which `setup` is for, is set up
+    already); more: `spawn_trainer` (same methods)."""
     if world_size == 1:
         from megatron_bridge.trainer import MegatronTrainer
 
         return MegatronTrainer(model_path, cfg, dtype=dtype, seed=seed)
-    return SpawnedTrainer(model_path, cfg, world_size, dtype=dtype, seed=seed, **kwargs)
+    return spawn_trainer(model_path, cfg, world_size, dtype=dtype, seed=seed, setup=setup, **kwargs)

@@ -2,8 +2,8 @@
 
 SPMD: every rank constructs the trainer and calls each method with the same arguments (the full batch); the
 trainer takes its data-parallel share itself and returns the full result on every rank. World size 1 runs in
-the caller's process; `SpawnedTrainer` runs N ranks as child processes behind the same methods, so the loop's
-driver stays a plain sequence of calls.
+the caller's process; `megatron_bridge.proxy.TrainerProxy` gives N ranks elsewhere (child processes or Ray
+actors) the same methods, so the loop's driver stays a plain sequence of calls.
 
 Micro-batches go through Megatron-Core's forward-backward schedule (pipeline parallelism for free) with
 `calculate_per_token_loss`: each micro-batch returns its summed token loss and token count, and Megatron divides
@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from megatron_bridge import checkpoint, convert, policy_loss
-from megatron_bridge.batch import TrainSequence, check_all_routes, check_batch, sequences
+from megatron_bridge.batch import TrainSequence, check_batch, sequences
+from megatron_bridge.config import TrainerConfig
 from megatron_bridge.logprobs import defer_output_layer
 from megatron_bridge.micro_batches import MicroBatchRunner
 from megatron_bridge.model import (
@@ -42,8 +43,8 @@ from megatron_bridge.model import (
 )
 from megatron_bridge.offload import KINDS, TrainerMemory
 from megatron_bridge.parallel import ParallelConfig, init_parallel, use_cpu
+from megatron_bridge.replay import check_all_routes
 from megatron_bridge.weights_out import WeightsOut
-from rollverify.config import TrainerConfig
 
 
 def resolve_device(device: str) -> str:
@@ -86,8 +87,8 @@ class MegatronTrainer:
         self.arch = convert.check_checkpoint(self.model_path)  # unsupported / mismatched: fail before building
         self.device = torch.device(resolve_device(cfg.device))
         self.dtype = resolve_dtype(dtype, self.device.type)
-        if cfg.sequence_parallel and cfg.tp == 1:
-            raise ValueError("sequence_parallel needs tp > 1 (it splits the sequence over the TP group)")
+        # the section's own rules are TrainerConfig.check's, run when the run config is validated; what only the
+        # checkpoint or the world size tells is checked here (and by ParallelConfig)
         if self.arch.moe and cfg.tp > 1 and (not cfg.sequence_parallel or cfg.ep * cfg.etp == 1):
             # Megatron-Core trains MoE under TP only with sequence parallelism. With ep == etp == 1 the whole
             # experts would be copies on every TP rank, each seeing its own tokens, and Megatron-Core reduces
@@ -95,13 +96,7 @@ class MegatronTrainer:
             raise UnsupportedCheckpoint(f"MoE with tp={cfg.tp} > 1 needs sequence_parallel=True and ep > 1 or "
                                         f"etp > 1 (got sequence_parallel={cfg.sequence_parallel}, ep={cfg.ep}, "
                                         f"etp={cfg.etp})")
-        if cfg.optimizer != "adam" and cfg.use_distributed_optimizer:
-            raise ValueError("Megatron-Core's distributed optimizer supports Adam only: set "
-                             "use_distributed_optimizer=False for optimizer='sgd'")
         check_layout(self.arch, tp=cfg.tp, ep=cfg.ep, pp=cfg.pp, cp=cfg.cp, etp=cfg.etp)
-        if cfg.max_seq_len < 0 or cfg.logprob_chunk_tokens < 1:
-            raise ValueError(f"max_seq_len must be >= 0 (0: the model's context) and logprob_chunk_tokens >= 1; "
-                             f"got {cfg.max_seq_len} and {cfg.logprob_chunk_tokens}")
         if cfg.recompute != "none" and self.arch.moe and cfg.replay_train:
             raise ValueError(f"recompute={cfg.recompute!r} with MoE routing replay is not supported: the recomputed "
                              f"forward would route freely; set recompute='none' or replay_train=False")
@@ -319,7 +314,7 @@ class MegatronTrainer:
     def send_weights(self, spec, version: int | None = None, bucket_bytes: int = 64 << 20,
                      dtype: torch.dtype | None = None) -> dict[str, float]:
         """Stream the weights to the servers through a transport whose data path starts on the ranks
-        (`sglang_ext.weight_transport.TransportSpec`): each rank sends from its own `spec.open_sink(rank)`, or
+        (`rollverify.app.weight_transport.TransportSpec`): each rank sends from its own `spec.open_sink(rank)`, or
         only joins the gathers; nothing crosses the driver."""
         self.version = self.step_count if version is None else int(version)
         return self.weights.send(spec, self.version, bucket_bytes, dtype)

@@ -10,13 +10,14 @@ unless a transport has other ranks send):
 forwards to one (`spawned._PipeSink`, `ray_trainer._QueueSink`). No SGLang class is a sink: the in-memory path
 hands the buckets to the rollout engine's `update_weights(buckets, version)` (`rollverify.interfaces`; pause,
 flush, update and resume belong to that side), and the GPU transports' servers are driven through a
-`BucketControl` (`sglang_ext.weight_transport.ServerControl`). Here:
+`BucketControl` (the server wing's `sglang_ext.weight_transport.ServerControl`; rollverify.app.weight_transport
+joins the two ends). Here:
 
 * `InMemorySink`: keeps the tensors (tests, in-process engines on CPU);
 * `DiskSink`: writes an HF checkpoint folder (for `update_weights_from_disk`, and the export);
 * `CallableSink`: adapts a plain `fn(bucket, version)`;
-* GPU transports, streamed from the trainer's ranks straight to the servers (sglang_ext/weight_transport.py
-  chooses and drives them): `TransportSink` moves each bucket as one flattened buffer (SGLang's
+* GPU transports, streamed from the trainer's ranks straight to the servers (rollverify/app/weight_transport.py
+  chooses them): `TransportSink` moves each bucket as one flattened buffer (SGLang's
   `FlattenedTensorBucket` layout, `flatten_bucket`) with `broadcast_sender` over SGLang's weight-update group
   (`join_weight_group`: NCCL on GPU, gloo on CPU) or `ipc_sender` as a serialized payload (CUDA IPC handles
   on GPU, shared memory on CPU), while a `BucketControl` carries the metadata and the commit. `ipc_handles`
@@ -28,7 +29,6 @@ from __future__ import annotations
 import datetime
 import io
 import json
-import math
 import shutil
 import time
 from collections.abc import Callable, Iterable
@@ -330,35 +330,15 @@ def broadcast_sender(control: BucketControl, group: dist.ProcessGroup) -> Callab
     return send
 
 
-def ipc_sender(control: BucketControl, tp_size: int) -> Callable[[torch.Tensor, BucketMeta, int], None]:
-    """Colocated: the bucket as SGLang's flattened-bucket payload (`update_weights_from_tensor`,
-    `load_format="flattened_bucket"`), one serialization per server TP rank. A CUDA tensor travels as a CUDA IPC
-    handle (the server maps this rank's memory: no copy); a CPU tensor through torch's shared memory. The tensor
-    stays alive until `settle` returns, that is until the server has loaded it."""
+def ipc_sender(control: BucketControl, tp_size: int,
+               serialize: Callable[[torch.Tensor, BucketMeta], bytes]) -> Callable[[torch.Tensor, BucketMeta, int], None]:
+    """Colocated: the bucket as the receiving servers' payload (`serialize(flat, meta)`: SGLang's flattened
+    bucket, sglang_ext.tensor_payload.serialize_flattened), one per server TP rank. A CUDA tensor travels as a
+    CUDA IPC handle (the server maps this rank's memory: no copy); a CPU tensor through torch's shared memory.
+    The tensor stays alive until `settle` returns, that is until the server has loaded it."""
 
     def send(flat: torch.Tensor, meta: BucketMeta, index: int) -> None:
-        payload = serialize_flattened(flat, meta)
+        payload = serialize(flat, meta)
         control.announce(index, meta, [payload] * tp_size)
 
     return send
-
-
-def serialize_flattened(flat: torch.Tensor, meta: BucketMeta) -> bytes:
-    """SGLang's payload for one flattened bucket: `{"flattened_tensor", "metadata"}` with its own classes (its
-    unpickler refuses anything else), pickled the way its `MultiprocessingSerializer` does."""
-    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
-    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
-
-    from sglang_ext.tensor_payload import serialize_tensors  # retries torch's shared-memory handshake (CPU)
-
-    if flat.is_cuda:
-        monkey_patch_torch_reductions()  # device index -> GPU UUID: the server sees other CUDA_VISIBLE_DEVICES
-    else:  # a CPU tensor's pickle names a shared-memory file (a file descriptor cannot travel in bytes)
-        torch.multiprocessing.set_sharing_strategy("file_system")
-    metadata, offset = [], 0
-    for name, dtype, shape in zip(meta.names, meta.dtypes, meta.shapes, strict=True):
-        n = math.prod(shape) * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
-        metadata.append(FlattenedTensorMetadata(name=name, shape=torch.Size(shape), dtype=getattr(torch, dtype),
-                                                start_idx=offset, end_idx=offset + n, numel=n))
-        offset += n
-    return serialize_tensors({"flattened_tensor": flat, "metadata": metadata})

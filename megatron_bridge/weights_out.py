@@ -53,7 +53,7 @@ class WeightsOut:
                     is_driver=is_driver())
 
     def send(self, spec, version: int, bucket_bytes: int, dtype: torch.dtype | None = None) -> dict[str, float]:
-        """Each rank sends from its own `spec.open_sink(rank)` (`sglang_ext.weight_transport.TransportSpec`), or
+        """Each rank sends from its own `spec.open_sink(rank)` (`rollverify.app.weight_transport.TransportSpec`), or
         only joins the gathers; nothing crosses the driver."""
         from megatron_bridge.weight_sync import sync
 

@@ -86,6 +86,14 @@ class RolloutEngine(Protocol):
         """Ids the engine stopped holding since the last call because their server was lost (what it generated
         since their last report is gone); the loop resubmits the unfinished ones from its buffer."""
 
+    def response_ids(self) -> set[str]:
+        """The ids the engine answers for: submitted, and neither dropped nor yet handed out by `lost()` (live,
+        paused, held or finished). The engine is the one record of which server holds a response."""
+
+    @property
+    def paused(self) -> bool:
+        """Whether the engine is paused (`pause` until the next `resume`)."""
+
 
 class Trainer(Protocol):
     """The policy being trained."""
@@ -111,7 +119,7 @@ class WeightSync(Protocol):
     """How a new policy reaches the engine, and (colocated) how the engine and the trainer take turns on the GPUs.
 
     `InMemoryWeights` (rollverify.loop) pushes the trainer's buckets through the driver; on a cluster
-    `sglang_ext.weight_transport.TransportWeights` streams them from the trainer's ranks to the servers."""
+    `rollverify.app.weight_transport.TransportWeights` streams them from the trainer's ranks to the servers."""
 
     def before_training(self) -> None:
         """The rollout phase is over (the engine is paused): the trainer may take the GPU memory."""

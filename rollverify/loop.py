@@ -40,7 +40,8 @@ import torch
 from rollverify.buffer import RolloutBuffer
 from rollverify.interfaces import Chunk, RolloutEngine, SamplingParams, Trainer, WeightSync
 from rollverify.losses import grpo_advantages
-from rollverify.strategies import AlgoConfig, Strategy, make_strategy
+from rollverify.sections import ConfigError, bounded
+from rollverify.strategies import AlgoConfig, Strategy, VerifyOutcome, make_strategy
 from rollverify.types import Group, Response
 
 VERIFY_PREFIX = "verify/"  # every statistic of the step's VerifyOutcome is logged under this prefix
@@ -64,18 +65,34 @@ class InMemoryWeights:
 
 
 @dataclass
-class LoopConfig:
-    """What the loop itself needs (the full run config lives in rollverify.config)."""
+class RolloutConfig:
+    """The rollout section: the loop's GRPO batch shape, sampling, concurrency and polling, and the servers the
+    application starts for it (`n_servers`, `endpoints`, `engine_args`, `server_timeout_s`)."""
 
-    batch_groups: int = 8  # B: finished groups per optimizer step
-    n: int = 4  # responses per prompt (GRPO group size)
-    max_new_tokens: int = 256
-    temperature: float = 1.0
-    max_live: int = 64  # responses the engines generate at once (capacity)
-    use_std: bool = True  # GRPO: divide advantages by the group std
-    wait_s: float = 0.05  # how long one poll for finished responses blocks
-    phase_timeout_s: float = 600.0  # a rollout phase that makes no progress this long is an error
-    monitor_ops: bool = True  # new log-probs of carried-over tokens even in modes that do not verify (ops_mean)
+    n_servers: int = bounded(1, ge=1)  # servers launched by `rollverify train` (ignored with endpoints)
+    endpoints: list[str] = bounded(factory=list)  # connect to running servers instead of launching
+    batch_groups: int = bounded(8, ge=1)  # B: finished groups per optimizer step
+    n: int = bounded(4, ge=2)  # responses per prompt (GRPO group size)
+    max_new_tokens: int = bounded(256, ge=1)
+    temperature: float = bounded(1.0, gt=0.0)
+    # Responses generated at once over all servers. Above B*n it over-provisions: extra groups run while the
+    # slow tail finishes, which is where partial rollout gains its speed.
+    max_live: int = bounded(64, ge=1)
+    engine_args: dict[str, Any] = bounded(
+        factory=dict
+    )  # SGLang ServerArgs, e.g. {tp_size: 4, max_total_tokens: 8192}
+    # A server that does not answer for this long is lost: its unfinished responses go to the others. Servers
+    # `rollverify train` launched are also watched by process, and restarted when they exit.
+    server_timeout_s: float = bounded(300.0, gt=0.0)
+    wait_s: float = bounded(0.05, ge=0.0)  # how long one poll for finished responses blocks
+    phase_timeout_s: float = bounded(600.0, gt=0.0)  # a rollout phase that makes no progress this long is an error
+
+    def check(self) -> None:
+        """The rules between this section's keys; `ConfigError` naming the key."""
+        if self.max_live < self.n:
+            raise ConfigError(
+                f"rollout.max_live: must be >= rollout.n ({self.n}) so one group fits, got {self.max_live}"
+            )
 
 
 @dataclass
@@ -112,16 +129,9 @@ class StepResult:
 class Loop:
     """One training run's state and its step function."""
 
-    def __init__(
-        self,
-        cfg: LoopConfig,
-        algo: AlgoConfig,
-        engine: RolloutEngine,
-        trainer: Trainer,
-        make_group: Callable[[int], Group],
-        reward: Callable[[Group, Response], float],
-        weights: WeightSync | None = None,
-    ) -> None:
+    def __init__(self, cfg: RolloutConfig, algo: AlgoConfig, engine: RolloutEngine, trainer: Trainer,
+                 make_group: Callable[[int], Group], reward: Callable[[Group, Response], float],
+                 weights: WeightSync | None = None) -> None:
         self.cfg, self.algo = cfg, algo
         self.engine, self.trainer = engine, trainer
         self.weights: WeightSync = weights or InMemoryWeights(engine, trainer)
@@ -133,8 +143,6 @@ class Loop:
         self.step = 0
         self.version = 0
         self.next_group_id = 0
-        self.on_engine: set[str] = set()  # responses the engine tracks (live, paused or finished, until dropped)
-        self.paused = False  # whether the engine is paused (between a rollout phase and the next)
         self._longest_chunk = 0  # most tokens one engine output of this rollout phase carried (decode_iters)
 
     # --- the loop -------------------------------------------------------------------------------------------
@@ -152,7 +160,7 @@ class Loop:
         self.weights.before_training()
         train_metrics = self.train(groups)
         t2 = time.perf_counter()
-        verify_metrics, verify_s, sync_s = self._verify_and_sync()
+        verified, verify_s, sync_s = self._verify_and_sync()
         t4 = time.perf_counter()
         self.ledger.check(self.buffer)
         self.step += 1
@@ -161,7 +169,7 @@ class Loop:
         metrics = {
             **train_metrics,
             **rollout,
-            **verify_metrics,
+            **verified,
             "step": self.step,
             "mode": mode,
             "policy_version": self.version,
@@ -184,13 +192,13 @@ class Loop:
         generated_before = self.ledger.generated_tokens
         self._longest_chunk = 0
         self.engine.resume()
-        self.paused = False
         # on_policy completes exactly B groups, the backlog's first; the carry-over modes keep the engines full
-        phase = None if carries_over else self._on_policy_groups()
+        phase = None if carries_over else on_policy_groups(buffer, cfg.batch_groups)
         runnable = [r for r in buffer.pending() if phase is None or r.group_id in phase]
         # after a restore, a lost server or a switch the engine no longer holds some unfinished responses
         resubmitted = self._resubmit_lost(phase)
-        self._submit([r for r in runnable if r.response_id not in self.on_engine])
+        tracked = self.engine.response_ids()
+        self._submit([r for r in runnable if r.response_id not in tracked])
         launched_now = 0
         last_progress = time.monotonic()
         while True:
@@ -209,7 +217,6 @@ class Loop:
                     f"({self._num_live()} responses live on the engines)"
                 )
         paused = self.engine.pause() if carries_over else []
-        self.paused = carries_over
         self._record(paused)
         self._record(self.engine.wait_finished(0.0))  # anything that finished while pausing
         return {
@@ -225,16 +232,9 @@ class Loop:
             "n_resubmitted": resubmitted,
         }
 
-    def _on_policy_groups(self) -> list[int]:
-        """The buffer groups an on_policy phase completes: finished ones in completion order, then the
-        others oldest first, at most B."""
-        completed = set(self.buffer.completed)
-        waiting = sorted(g for g in self.buffer.groups if g not in completed)
-        return [*self.buffer.completed, *waiting][: self.cfg.batch_groups]
-
     def _num_live(self) -> int:
         """Unfinished responses the engines hold (backlog groups waiting off the engines do not count)."""
-        return sum(1 for rid in self.on_engine if not self.buffer.get(rid).finished)
+        return sum(1 for rid in self.engine.response_ids() if not self.buffer.get(rid).finished)
 
     def _room(self) -> bool:
         return self._num_live() + self.cfg.n <= self.cfg.max_live
@@ -258,10 +258,9 @@ class Loop:
         return group.group_id
 
     def _resubmit_lost(self, phase: list[int] | None) -> int:
-        """Ids the engine lost with a server leave `on_engine`; the unfinished ones this phase runs go back to it
-        from the buffer (the others wait off the engines, like any response the engine does not hold)."""
-        lost = [rid for rid in self.engine.lost() if rid in self.on_engine]
-        self.on_engine.difference_update(lost)
+        """The unfinished responses the engine lost with a server that this phase runs go back to it from the
+        buffer (the others wait off the engines, like any response the engine does not hold)."""
+        lost = self.engine.lost()
         again = [r for r in map(self.buffer.get, lost) if not r.finished and (phase is None or r.group_id in phase)]
         self._submit(again)
         return len(again)
@@ -269,7 +268,6 @@ class Loop:
     def _submit(self, responses: Sequence[Response]) -> None:
         if responses:
             self.engine.submit(responses, self.sampling)
-            self.on_engine.update(r.response_id for r in responses)
 
     def _record(self, chunks: Sequence[Chunk]) -> int:
         """Append engine output to the buffer; score responses that finished. Returns how many finished."""
@@ -295,14 +293,14 @@ class Loop:
         if not groups:
             return {}
         rewards = torch.tensor(np.stack([g.rewards for g in groups]))
-        advantages = grpo_advantages(rewards, use_std=self.cfg.use_std).reshape(-1).numpy()
+        advantages = grpo_advantages(rewards, use_std=self.algo.adv_use_std).reshape(-1).numpy()
         responses = [r for g in groups for r in g.responses]
         metrics = self.trainer.train_step(responses, advantages, self.cfg.temperature, self.version)
         self.version += 1
-        tracked = [r.response_id for r in responses if r.response_id in self.on_engine]
+        on_engine = self.engine.response_ids()
+        tracked = [r.response_id for r in responses if r.response_id in on_engine]
         if tracked:
             self.engine.drop(tracked)
-            self.on_engine.difference_update(tracked)
         self.ledger.trained += len(responses)
         self.ledger.trained_tokens += sum(r.num_tokens for r in responses)
         ops = _trained_ops(responses, metrics)
@@ -333,59 +331,68 @@ class Loop:
         return metrics, t2 - t1 - metrics.get("logprob_wait_s", 0.0), (t1 - t0) + (t3 - t2)
 
     def verify(self) -> dict[str, Any]:
-        """Verify and cut the carried-over responses; returns the step's verification metrics."""
+        """Verify and cut the carried-over responses; returns the step's verification metrics. Three jobs in
+        order: decide (the new log-probs and the strategy's keep lengths), apply (the cuts to the buffer and the
+        ledger, and at a switch the backlog off the engines), send (the cuts and releases to the engine)."""
         carried = self.buffer.carried_over()
         stats: dict[str, Any] = {"n_carried": len(carried)}
         if not carried:
             return {**stats, "ops_mean": float("nan"), "acceptance_rate": float("nan"), "kept_whole_rate": float("nan"),
-                "switched": False}
+                    "switched": False}
+        outcome, unverified = self._decide(carried, stats)
+        cut, shelved_cut, shelved = self._apply(outcome)
+        self._send(outcome, shelved, unverified)
+        return {**stats, **verify_metrics(outcome, cut, shelved_cut)}
+
+    def _decide(self, carried: list[Response], stats: dict[str, Any]) -> tuple[VerifyOutcome, list[str] | None]:
+        """The strategy's outcome over the carried responses, from their new log-probs where it needs them (or
+        `algo.monitor_ops` asks for them), and the ids the engines hold back until they are cut (engine mode).
+        Adds to `stats` where the log-probs came from and how long the engines took."""
         new_lp = None
         unverified: list[str] | None = None  # engine mode: the carried responses held while the engines run
-        if self.strategy.needs_new_logprobs or self.cfg.monitor_ops:
+        if self.strategy.needs_new_logprobs or self.algo.monitor_ops:
             engine_side = self.algo.verify_on == "engine"
             t0 = time.perf_counter()
-            if engine_side and self.paused and self.strategy.carries_over:
+            if engine_side and self.engine.paused and self.strategy.carries_over:
                 unverified, stats["n_launched_while_verifying"] = self._hold_and_fill(carried)
-            new_lp, on_engine = self._new_logprobs(carried)
+            new_lp, on_engine = new_logprobs(carried, self.engine, self.trainer, self.algo.verify_on,
+                                             self.cfg.temperature)
             stats["n_logprobs_on_engine"] = on_engine
             if engine_side:
                 stats["logprob_wait_s"] = time.perf_counter() - t0
-        outcome = self.strategy.apply(carried, new_lp, self.version)
+        return self.strategy.apply(carried, new_lp, self.version), unverified
+
+    def _apply(self, outcome: VerifyOutcome) -> tuple[int, int, set[str]]:
+        """The outcome's cuts in the buffer and the ledger; at a switch to on_policy also the backlog's restart.
+        Returns (tokens cut, of them the backlog's, the backlog's response ids)."""
         cut = self.buffer.apply_truncation(outcome.decisions)
         self.ledger.restarted += int(sum(1 for k in outcome.keep_lengths if k == 0))
-        held, held_cut = self._hold_backlog() if outcome.switched else (set(), 0)
-        cut += held_cut
+        shelved, shelved_cut = set(), 0
+        if outcome.switched:  # every group but the B the next step completes restarts and leaves the engines
+            shelved, shelved_cut, restarted = shelve_backlog(self.buffer, self.cfg.batch_groups)
+            self.ledger.restarted += restarted
+        cut += shelved_cut
         self.ledger.cut_tokens += cut
+        return cut, shelved_cut, shelved
+
+    def _send(self, outcome: VerifyOutcome, shelved: set[str], unverified: list[str] | None) -> None:
+        """What the buffer now says, to the engine: the backlog dropped, the cut prefixes truncated (after a
+        pause in on_policy, so that nothing relaunches before the weights move), the held responses released."""
+        tracked = self.engine.response_ids()
         cuts = {
             rid: int(k)
             for rid, k, n in zip(outcome.response_ids, outcome.keep_lengths, outcome.lengths, strict=True)
-            if k < n and rid in self.on_engine and rid not in held
+            if k < n and rid in tracked and rid not in shelved
         }
-        if held & self.on_engine:
-            self.engine.drop(sorted(held & self.on_engine))
-            self.on_engine.difference_update(held)
+        if shelved & tracked:
+            self.engine.drop(sorted(shelved & tracked))
         if cuts:
-            if not self.paused and unverified is None:  # on_policy: cuts must not relaunch before the weights move
+            if not self.engine.paused and unverified is None:
                 self._record(self.engine.pause())
-                self.paused = True
             self.engine.truncate(cuts)
         if unverified:
-            self.engine.release([rid for rid in unverified if rid in self.on_engine])
-        s = outcome.stats
-        return {
-            **stats,
-            **{f"{VERIFY_PREFIX}{k}": v for k, v in s.items()},  # the strategy's statistics, whole
-            "ops_mean": s.get("ops_mean", float("nan")),  # NaN when no OPS was computed (partial, unmonitored)
-            "acceptance_rate": s["acceptance_rate"],
-            "kept_whole_rate": s["kept_whole_rate"],
-            "staleness_max": s["staleness_max"],
-            "verified_tokens": s["verified_tokens"],
-            "kept_tokens": s["kept_tokens"],
-            "cut_tokens": float(cut),
-            "held_back_cut_tokens": float(held_cut),
-            "switched": bool(outcome.switched),
-            **({"switch_reason": outcome.switch_reason} if outcome.switched else {}),
-        }
+            tracked = self.engine.response_ids()
+            self.engine.release([rid for rid in unverified if rid in tracked])
 
     def _hold_and_fill(self, carried: list[Response]) -> tuple[list[str], int]:
         """With `verify_on: engine` after a carry-over phase (the engines paused, the new weights theirs): the
@@ -394,37 +401,10 @@ class Loop:
         they prefill the carried ones. Returns (the held ids, groups launched). A finished carried response the
         verification cuts becomes live again: until the next finish the engines may then hold up to that many
         more than `max_live` (SGLang queues what its `max_running_requests` does not take)."""
-        unverified = [r.response_id for r in carried if r.response_id in self.on_engine and not r.finished]
+        tracked = self.engine.response_ids()
+        unverified = [r.response_id for r in carried if r.response_id in tracked and not r.finished]
         self.engine.resume(hold=unverified)
-        self.paused = False
         return unverified, self._fill(None)
-
-    def _new_logprobs(self, carried: list[Response]) -> tuple[list[np.ndarray], int]:
-        """Log-probs of the carried tokens under the new policy, and how many responses the engines computed.
-
-        With `verify_on: engine` the engines compute them for every response they hold (the weights are
-        already theirs); the trainer computes the rest: responses the engines do not hold (after a restore, a
-        lost server) or lost while computing (None)."""
-        out: list[np.ndarray | None] = [None] * len(carried)
-        tracked = [i for i, r in enumerate(carried) if r.response_id in self.on_engine]
-        if self.algo.verify_on == "engine" and tracked:
-            for i, lp in zip(tracked, self.engine.compute_logprobs([carried[i] for i in tracked]), strict=True):
-                out[i] = lp
-        rest = [i for i, lp in enumerate(out) if lp is None]
-        if rest:
-            for i, lp in zip(rest, self.trainer.compute_logprobs([carried[i] for i in rest], self.cfg.temperature),
-                             strict=True):
-                out[i] = lp
-        return out, len(carried) - len(rest)  # type: ignore[return-value]
-
-    def _hold_backlog(self) -> tuple[set[str], int]:
-        """At the switch to on_policy: every group but the B the next step completes restarts from its prompt
-        and leaves the engines until an on_policy phase takes it. Returns (its response ids, tokens cut)."""
-        keep = set(self._on_policy_groups())
-        held = [r for g in self.buffer.groups.values() if g.group_id not in keep for r in g.responses]
-        self.ledger.restarted += sum(1 for r in held if r.num_tokens)
-        cut = self.buffer.apply_truncation({r.response_id: 0 for r in held if r.num_tokens})
-        return {r.response_id for r in held}, cut
 
     # --- checkpoints ----------------------------------------------------------------------------------------
 
@@ -443,8 +423,64 @@ class Loop:
         self.next_group_id = int(state["next_group_id"])
         self.ledger = Ledger(**state["ledger"])
         self.strategy.load_state(state["strategy"])
-        self.buffer = buffer
-        self.on_engine = set()  # a restored run resubmits everything unfinished from the buffer
+        self.buffer = buffer  # the engine of a restored run holds none of it: the rollout resubmits the unfinished
+
+
+def on_policy_groups(buffer: RolloutBuffer, batch_groups: int) -> list[int]:
+    """The buffer groups an on_policy phase completes: finished ones in completion order, then the others
+    oldest first, at most B."""
+    completed = set(buffer.completed)
+    waiting = sorted(g for g in buffer.groups if g not in completed)
+    return [*buffer.completed, *waiting][:batch_groups]
+
+
+def new_logprobs(carried: list[Response], engine: RolloutEngine, trainer: Trainer, verify_on: str,
+                 temperature: float) -> tuple[list[np.ndarray], int]:
+    """Log-probs of the carried tokens under the new policy, and how many responses the engines computed.
+
+    With `verify_on: engine` the engines compute them for every response they hold (the weights are already
+    theirs); the trainer computes the rest: responses the engines do not hold (after a restore, a lost server)
+    or lost while computing (None)."""
+    out: list[np.ndarray | None] = [None] * len(carried)
+    on_engine = engine.response_ids()
+    tracked = [i for i, r in enumerate(carried) if r.response_id in on_engine]
+    if verify_on == "engine" and tracked:
+        for i, lp in zip(tracked, engine.compute_logprobs([carried[i] for i in tracked]), strict=True):
+            out[i] = lp
+    rest = [i for i, lp in enumerate(out) if lp is None]
+    if rest:
+        for i, lp in zip(rest, trainer.compute_logprobs([carried[i] for i in rest], temperature), strict=True):
+            out[i] = lp
+    return out, len(carried) - len(rest)  # type: ignore[return-value]
+
+
+def shelve_backlog(buffer: RolloutBuffer, batch_groups: int) -> tuple[set[str], int, int]:
+    """At the switch to on_policy: every group but the B the next step completes restarts from its prompt and
+    waits off the engines until an on_policy phase takes it. Returns (its response ids, tokens cut, responses
+    restarted)."""
+    keep = set(on_policy_groups(buffer, batch_groups))
+    shelved = [r for g in buffer.groups.values() if g.group_id not in keep for r in g.responses]
+    restarted = sum(1 for r in shelved if r.num_tokens)
+    cut = buffer.apply_truncation({r.response_id: 0 for r in shelved if r.num_tokens})
+    return {r.response_id for r in shelved}, cut, restarted
+
+
+def verify_metrics(outcome: VerifyOutcome, cut: int, backlog_cut: int) -> dict[str, Any]:
+    """A verification's metrics: the strategy's statistics whole under `verify/`, a few under their own names."""
+    s = outcome.stats
+    return {
+        **{f"{VERIFY_PREFIX}{k}": v for k, v in s.items()},
+        "ops_mean": s.get("ops_mean", float("nan")),  # NaN when no OPS was computed (partial, unmonitored)
+        "acceptance_rate": s["acceptance_rate"],
+        "kept_whole_rate": s["kept_whole_rate"],
+        "staleness_max": s["staleness_max"],
+        "verified_tokens": s["verified_tokens"],
+        "kept_tokens": s["kept_tokens"],
+        "cut_tokens": float(cut),
+        "backlog_cut_tokens": float(backlog_cut),
+        "switched": bool(outcome.switched),
+        **({"switch_reason": outcome.switch_reason} if outcome.switched else {}),
+    }
 
 
 def _trained_ops(responses: Sequence[Response], metrics: dict) -> dict[str, float]:

@@ -53,6 +53,9 @@ class AlgoConfig:
     # trainer: a forward pass on the trainer after the step; engine: the engines prefill the carried responses
     # under the new weights (which resuming them needs anyway) and return their log-probs
     verify_on: str = "trainer"
+    adv_use_std: bool = True  # GRPO advantages: divide by the group's reward std (false: Dr. GRPO)
+    # the new log-probs of the carried tokens even in the modes that do not verify (their ops_mean)
+    monitor_ops: bool = True
 
     def __post_init__(self) -> None:
         def bad(key: str, allowed: str) -> ValueError:
@@ -64,7 +67,7 @@ class AlgoConfig:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
                 raise bad(key, "a number >= 0 (inf turns it off)")
-        for key in ("seq_stage", "token_stage", "conditional_switch"):
+        for key in ("seq_stage", "token_stage", "conditional_switch", "adv_use_std", "monitor_ops"):
             if not isinstance(getattr(self, key), bool):
                 raise bad(key, "true or false")
         if isinstance(self.staleness_s, bool) or not isinstance(self.staleness_s, int) or self.staleness_s < 0:

@@ -5,7 +5,7 @@ run beside them at once. A handler validates its whole request before it changes
 (a `ProtocolError`, answered with its code) changes nothing; any other exception is answered as `ENGINE_ERROR`
 and the server keeps serving.
 
-The op table is filled by op groups (see `sglang_ext.ops`): each message type the protocol defines
+The op table is filled by op groups (see `sglang_ext.handlers`): each message type the protocol defines
 (`protocol.BODIES`) has exactly one handler, checked when the server is built.
 """
 
@@ -41,7 +41,7 @@ Handler = Callable[[Any, Message], Awaitable[Reply]]
 
 
 class OpGroup(Protocol):
-    """A group of ops (see `sglang_ext.ops`): its handlers by message type."""
+    """A group of handlers (see `sglang_ext.handlers`): its handlers by message type."""
 
     def handlers(self) -> Mapping[str, Handler]: ...
 

@@ -267,7 +267,7 @@ class EngineHandle:
         self.loop = engine.loop
         self.tp_size = int(getattr(engine.server_args, "tp_size", 1) or 1)
         self.context_len = int(getattr(self.tm, "context_len", 0) or info.context_len or 0)
-        self.transport = EngineTransport(self.tm)  # the weight transports and memory handoff (ops/transport.py)
+        self.transport = EngineTransport(self.tm)  # the weight transports and memory handoff (handlers/transport.py)
         self._closed = False
         self._idle_nice = 0  # niceness of SGLang's children while nothing generates; 0: never changed
         self._base_nice: dict[int, int] = {}
@@ -534,7 +534,7 @@ class EngineHandle:
 class EngineTransport:
     """SGLang's side of the GPU weight transports and the colocated memory handoff: the tokenizer manager's
     weight-update group, weight-update session, bucket loads and memory occupation calls. Driven by
-    sglang_ext/ops/transport.py, which checks every step first; each raises RuntimeError when SGLang refuses."""
+    sglang_ext/handlers/transport.py, which checks every step first; each raises RuntimeError when SGLang refuses."""
 
     def __init__(self, tm: Any):
         self.tm = tm

@@ -105,6 +105,18 @@ class ServerSlot:
     def exited(self) -> bool:
         return self.process is not None and not self.process.alive()
 
+    def address(self) -> ServerAddress:
+        return ServerAddress(self.index, self.conn.endpoint, self.conn.curve)
+
+
+@dataclass(frozen=True)
+class ServerAddress:
+    """How another process reaches server `index`: its control endpoint and CURVE keys (None: loopback)."""
+
+    index: int
+    endpoint: str
+    curve: CurveKeys | None
+
 
 class ServerPool:
     """Slots for `endpoints`; `processes` are the handles of those this pool's owner launched (same order),

@@ -535,7 +535,7 @@ class FlushBody(_Body):
 
 
 class ComputeLogprobsBody(_Body):
-    """Log-probs of the named responses' tokens under the served weights (sglang_ext/ops/logprobs.py)."""
+    """Log-probs of the named responses' tokens under the served weights (sglang_ext/handlers/logprobs.py)."""
 
     rids: list[Rid] = Field(min_length=1, max_length=MAX_ITEMS)
     expect_version: Version | None = None

@@ -1,8 +1,9 @@
-"""SGLang servers as Ray actors (`cluster.launcher: ray`), each on the bundle of its plan node.
+"""SGLang servers as Ray actors (`cluster.launcher: ray`); the application places each on the bundle of its plan
+node (rollverify.app.ray_placement).
 
 A `ServerActor` runs the same server process as the local launcher (sglang_ext.launch.launch_server), bound to
 its node's address, with the plan's GPUs (`base_gpu_id` = the plan's first GPU of the server; Ray leaves every
-GPU of the node visible, see rollverify.cluster). An endpoint off loopback never runs without CURVE: the driver
+GPU of the node visible, see rollverify.app.cluster). An endpoint off loopback never runs without CURVE: the driver
 makes the run's keys (`RunKeys`), each actor writes the server's certificate and the client's public key into a
 private folder on its node ($TMPDIR/rollverify-keys-serverN-*, mode 0700, the secret 0600), and the rollout
 engine's client connects with the matching client keys. The server reads them once, when it binds (before it
@@ -10,8 +11,9 @@ reports ready), so the folder is removed as soon as its start returns, whether i
 on disk only while a server starts, and a run killed later leaves none behind.
 
 The driver holds a `RayServer` per server: the handle the rollout engine's watchdog reads (`alive()`, which is
-false once the server process exits or its actor dies) and stops. `relaunch(i)` starts a fresh actor on the
-same plan node; the engine then pushes the current policy to it and resubmits the responses the lost one held.
+false once the server process exits or its actor dies) and stops. `RayServer.start_many` starts actors the
+application placed and checks each one's start; the application's `relaunch(i)` places a fresh actor on the same
+plan node, and the engine then pushes the current policy to it and resubmits the responses the lost one held.
 """
 
 from __future__ import annotations
@@ -23,13 +25,9 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sglang_ext.client import CurveKeys
-
-if TYPE_CHECKING:
-    from rollverify.cluster import RayCluster
-    from rollverify.config import RunConfig
 
 
 @dataclass(frozen=True)
@@ -180,56 +178,6 @@ class RayServer:
         return f"server {self.index} ({self.where}, {self.endpoint}, pid {self.pid})"
 
 
-class RayServerLauncher:
-    """Starts server `i` of the plan as an actor on its plan node: `launch(i)` (also the engine's `relaunch`)."""
-
-    def __init__(self, cfg: RunConfig, cluster: RayCluster, model_path: str | os.PathLike, log_dir: Path,
-                 keys: RunKeys, startup_timeout_s: float = 300.0) -> None:
-        import ray
-
-        self.cfg, self.cluster, self.model_path, self.log_dir = cfg, cluster, str(model_path), log_dir
-        self.keys, self.startup_timeout_s = keys, startup_timeout_s
-        self._actor = ray.remote(max_concurrency=2)(ServerActor)
-
-    def engine_args(self, i: int) -> dict[str, Any]:
-        args = dict(self.cfg.rollout.engine_args)
-        gpus = self.cluster.plan.servers[i].gpus
-        if gpus:
-            args["base_gpu_id"] = gpus[0]  # a physical index: Ray leaves the node's GPUs visible
-        return args
-
-    def launch_many(self, indices: list[int]) -> list[RayServer]:
-        """Start servers together (they load in parallel); if one fails, the others are stopped."""
-        import ray
-
-        node = {i: self.cluster.plan.servers[i].node for i in indices}
-        actors = [self._actor.options(**self.cluster.actor_options(node[i], num_gpus=self.cluster.server_gpus[i]))
-                  .remote(i) for i in indices]
-        refs = [a.start.remote(self.model_path, self.engine_args(i), self.keys.for_server(),
-                               str(self.log_dir / f"server{i}.log"), self.startup_timeout_s)
-                for a, i in zip(actors, indices, strict=True)]
-        servers, errors = [], []
-        for a, i, ref in zip(actors, indices, refs, strict=True):
-            where = self.cluster.node_name(node[i])
-            try:
-                servers.append(RayServer(i, where, a, ray.get(ref, timeout=self.startup_timeout_s + 60)))
-            except Exception as e:  # noqa: BLE001 - reported together below
-                errors.append(f"server {i} on {where}: {e}")
-        if errors:
-            for s in servers:
-                s.stop()
-            for a in actors:
-                with contextlib.suppress(Exception):
-                    ray.kill(a)
-            from sglang_ext.launch import ServerStartError
-
-            raise ServerStartError("\n".join(errors))
-        return servers
-
-    def launch(self, i: int) -> RayServer:
-        return self.launch_many([i])[0]
-
-
 def check_keys(servers: list[RayServer], keys: CurveKeys, timeout_s: float = 30.0) -> None:
     """Every server answers a health request over CURVE with `keys`; else a ServerStartError naming each server
     that did not (a CURVE handshake with keys that do not match gets no answer at all, only silence)."""
@@ -256,21 +204,3 @@ def check_keys(servers: list[RayServer], keys: CurveKeys, timeout_s: float = 30.
     problems = [p for p in asyncio.run(every()) if p]
     if problems:
         raise ServerStartError("\n".join(problems))
-
-
-def start_ray_engine(cfg: RunConfig, cluster: RayCluster, model_path: str | os.PathLike, log_dir: Path):
-    """The rollout engine over `rollout.n_servers` server actors placed by `cluster`, with the run's CURVE keys."""
-    from sglang_ext.rollout_engine import SGLangRolloutEngine
-
-    keys = RunKeys.make()
-    # a server that takes longer than rollout.server_timeout_s to serve is as lost as one that stops answering
-    launcher = RayServerLauncher(cfg, cluster, model_path, log_dir, keys, cfg.rollout.server_timeout_s)
-    servers = launcher.launch_many(list(range(len(cluster.plan.servers))))
-    try:
-        check_keys(servers, keys.client())
-        return SGLangRolloutEngine([s.endpoint for s in servers], processes=servers, relaunch=launcher.launch,
-                                   curve=keys.client(), timeout_s=cfg.rollout.server_timeout_s)
-    except BaseException:
-        for s in servers:
-            s.stop()
-        raise

@@ -132,7 +132,7 @@ class Records:
         return [self.table[r] for r in rids]
 
     def require_whole_weights(self, what: str) -> None:
-        """Refuse to launch while the engine holds a mix of two weight versions (sglang_ext/ops/transport.py)."""
+        """Refuse to launch while the engine holds a mix of two weight versions (sglang_ext/handlers/transport.py)."""
         if self.blocked:
             raise ProtocolError(
                 ErrorCode.WEIGHTS_INCOMPLETE,

@@ -29,7 +29,7 @@ import numpy as np
 from rollverify.interfaces import Chunk, SamplingParams
 from rollverify.types import Response
 from sglang_ext.client import UNAVAILABLE, ControlError, CurveKeys, SubmitRequest
-from sglang_ext.pool import ServerPool, ServerSlot, gather
+from sglang_ext.pool import ServerAddress, ServerPool, ServerSlot, gather
 from sglang_ext.protocol import OutputBatch, WireSamplingParams
 
 log = logging.getLogger(__name__)
@@ -63,10 +63,11 @@ class SGLangRolloutEngine:
     """RolloutEngine over control servers.
 
     `processes`: the ServerProcess handles of the endpoints this engine launched (same order); `relaunch(i)`
-    starts a replacement for server i; `weight_source()` yields the current policy's weight buckets, pushed to a
-    restarted server (which loads the original checkpoint) before it gets any response. `restore_weights(slot,
-    version)`, when set, brings a restarted server to the current policy instead (a cluster run's weight
-    transport: the trainer's ranks send it, nothing crosses this process).
+    starts a replacement for server i. A restarted server loads the original checkpoint and gets the current
+    policy before it gets any response: `weight_source()` yields its weight buckets, pushed through this
+    process, or `restore_weights(server address, version)` brings it there otherwise (a cluster run's weight
+    transport: the trainer's ranks send it, nothing crosses this process); `restart_weights` sets them once the
+    trainer exists.
     """
 
     def __init__(
@@ -81,13 +82,13 @@ class SGLangRolloutEngine:
         poll_wait_s: float = 1.0,
     ) -> None:
         self.weight_source = weight_source
-        self.restore_weights: Callable[[ServerSlot, int], Any] | None = None
+        self.restore_weights: Callable[[ServerAddress, int], Any] | None = None
         self.version = 0  # the last policy version pushed
         self.faults: list[dict[str, Any]] = []  # one record per lost server
         self.last_pause: list[dict] = []  # each server's last pause reply body (timings)
         self.where: dict[str, ServerSlot] = {}  # response id -> the server slot that holds it
         self._lost: list[str] = []  # ids of lost servers the loop has not collected yet
-        self._held: list[Chunk] = []  # training outputs that arrived while evaluating
+        self._deferred: list[Chunk] = []  # training outputs that arrived while evaluating
         self.pool = ServerPool(endpoints, processes=processes, relaunch=relaunch, curve=curve, timeout_s=timeout_s,
                                poll_wait_s=poll_wait_s)
         self.paused = any(s.paused for s in self.pool.servers)  # resume() resumes the servers found paused
@@ -99,7 +100,7 @@ class SGLangRolloutEngine:
         self._submit([_request(r) for r in responses], _wire(sampling))
 
     def wait_finished(self, timeout: float) -> list[Chunk]:
-        chunks, self._held = self._held, []
+        chunks, self._deferred = self._deferred, []
         chunks += self._take_events(0.0 if chunks else timeout)
         self._check_servers()
         return chunks
@@ -169,6 +170,23 @@ class SGLangRolloutEngine:
             self._push(self.weight_source(), version, self.pool.alive())
         self.version = version
 
+    def committed(self, version: int) -> None:
+        """`version` is what every live server serves now: a weight transport outside this engine committed it."""
+        self.version = version
+
+    def restart_weights(self, *, source: Callable[[], Iterator[list[tuple[str, Any]]]] | None = None,
+                        restore: Callable[[ServerAddress, int], Any] | None = None) -> None:
+        """How a restarted server gets the current policy from now on (see the class docstring): each one given
+        replaces the current one. `source` also serves `update_weights` again after a failed push."""
+        if source is not None:
+            self.weight_source = source
+        if restore is not None:
+            self.restore_weights = restore
+
+    def live_servers(self) -> list[ServerAddress]:
+        """The servers that serve now, in index order."""
+        return [s.address() for s in self.pool.alive()]
+
     def compute_logprobs(self, responses: Sequence[Response]) -> list[np.ndarray | None]:
         """Each response's log-probs under the weights the servers serve now, computed by the server that holds
         it (`compute_logprobs` in docs/protocol.md) while the others generate; None for a response whose server
@@ -195,6 +213,10 @@ class SGLangRolloutEngine:
         ids, self._lost = self._lost, []
         return ids
 
+    def response_ids(self) -> set[str]:
+        """Ids on a server, and those of a lost server that `lost()` has not handed out yet."""
+        return set(self.where).union(self._lost)
+
     # --- evaluation, queries and lifecycle ---------------------------------------------------------------
 
     def generate(self, prompts: Sequence[np.ndarray], max_new_tokens: int, sampling: SamplingParams,
@@ -215,7 +237,7 @@ class SGLangRolloutEngine:
                 if c.response_id in reqs:
                     got[c.response_id] = c.token_ids.copy()  # a fresh response's only delta is its whole output
                 else:
-                    self._held.append(c)
+                    self._deferred.append(c)
             self._check_servers()
             again = [reqs[rid] for rid in self._lost if rid in reqs]
             if again:  # evaluation responses of a lost server: this call still holds their prompts
@@ -365,7 +387,7 @@ class SGLangRolloutEngine:
             new = self.pool.replace(s)
             if new is not None:
                 if self.restore_weights is not None:
-                    self.restore_weights(new, self.version)
+                    self.restore_weights(new.address(), self.version)
                 elif self.weight_source is not None:
                     self._push(self.weight_source(), self.version, [new])
                 if self.paused and not new.paused:

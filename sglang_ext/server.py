@@ -8,7 +8,7 @@ fetch, weights) are answered beside them.
 
 `ControlServer` assembles the parts, each in its own module: `channel` (socket, CURVE, framing), `dispatch`
 (decoding, the op table, the command worker, error replies), `records` (the responses and their engine
-requests) and the op groups of `sglang_ext.ops`, listed in `OP_GROUPS` (how to add one: `sglang_ext/ops/__init__.py`).
+requests) and the op groups of `sglang_ext.handlers`, listed in `OP_GROUPS` (how to add one: `sglang_ext/handlers/__init__.py`).
 `serve_config` holds the configuration and its checks; this module the `serve` entry and its command line.
 """
 
@@ -29,11 +29,11 @@ from typing import Any
 
 from sglang_ext.channel import Channel
 from sglang_ext.dispatch import Dispatcher, OpGroup
-from sglang_ext.ops.admin import AdminOps
-from sglang_ext.ops.generation import GenerationOps
-from sglang_ext.ops.logprobs import LogprobOps
-from sglang_ext.ops.transport import TransportOps
-from sglang_ext.ops.weights import WeightOps
+from sglang_ext.handlers.admin import AdminHandlers
+from sglang_ext.handlers.generation import GenerationHandlers
+from sglang_ext.handlers.logprobs import LogprobHandlers
+from sglang_ext.handlers.transport import TransportHandlers
+from sglang_ext.handlers.weights import WeightHandlers
 from sglang_ext.protocol import PROTOCOL_VERSION
 from sglang_ext.records import EngineCalls, Records
 from sglang_ext.serve_config import ServeConfig, ServeConfigError, check_config, check_endpoint
@@ -54,8 +54,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# every op group the server registers; a new group is one more entry (see sglang_ext/ops/__init__.py)
-OP_GROUPS: tuple[Callable[[ControlServer], OpGroup], ...] = (GenerationOps, WeightOps, TransportOps, LogprobOps, AdminOps)
+# every op group the server registers; a new group is one more entry (see sglang_ext/handlers/__init__.py)
+OP_GROUPS: tuple[Callable[[ControlServer], OpGroup], ...] = (GenerationHandlers, WeightHandlers, TransportHandlers, LogprobHandlers, AdminHandlers)
 
 
 class ControlServer:

@@ -1,20 +1,17 @@
-"""Weight transports from the trainer's ranks straight to the SGLang servers; ZMQ carries control only.
+"""The server wing's end of the weight transports from the trainer's ranks straight to the SGLang servers; ZMQ
+carries control only.
 
     placement       transport      data path of each bucket
     local launcher  in_memory      trainer -> driver -> ZMQ frames -> server (`SGLangRolloutEngine.update_weights`)
     disaggregated   distributed    trainer source rank --broadcast (NCCL; gloo on CPU)--> every server's TP ranks
     colocated       ipc            trainer rank --CUDA IPC handle (shared memory on CPU)--> the server on its GPUs
 
-`TransportSpec` is what the driver hands the trainer (it crosses a pipe or Ray): the servers' endpoints and
-keys, and how to reach them. On each trainer rank `spec.open_sink(rank)` is the rank's `WeightSink` for
-`megatron_bridge.weight_sync.sync` (None where the rank only joins the gathers): a `TransportSink` whose control
-is a `ServerControl` (this rank's own ZMQ connections to the servers: the server ops of
-`sglang_ext/ops/transport.py`) and whose sender moves the bytes. The trainer streams its export bucket by bucket
-(each bucket gathered over TP/EP when it is built), so no process holds a whole copy of the model.
-
-A version is committed on the servers only after every server has loaded every bucket; any failure aborts the
-stream on every server, which then keeps reporting its old version (see the ops module for a half-loaded
-engine) and the error names the server.
+`ServerControl` is a trainer rank's `BucketControl` (megatron_bridge.weight_sync): its own ZMQ connections to the
+servers of a `ServerTargets` (the server handlers of `sglang_ext/handlers/transport.py`), while the trainer wing's sender
+moves the bytes; the application joins the two (rollverify.app.weight_transport). A version is committed on the
+servers only after every server has loaded every bucket; any failure aborts the stream on every server, which
+then keeps reporting its old version (see the handlers module for a half-loaded engine) and the error names the
+server.
 """
 
 from __future__ import annotations
@@ -24,79 +21,37 @@ import base64
 import logging
 import socket
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from sglang_ext.client import ControlError, CurveKeys, ServerConnection
 
 log = logging.getLogger(__name__)
 
-TransportKind = Literal["in_memory", "distributed", "ipc"]
 
-# weight-update groups this process joined as rank 0, by name: they outlive one sync (joining costs a rendezvous)
-_GROUPS: dict[str, Any] = {}
-
-
-def transport_for(launcher: str, placement: str) -> TransportKind:
-    """The transport a cluster layout uses: the local launcher keeps the in-memory buckets; on a cluster a
-    colocated server shares GPUs with trainer ranks (IPC), a disaggregated one has its own (broadcast)."""
-    if launcher == "local":
-        return "in_memory"
-    return "ipc" if placement == "colocated" else "distributed"
-
-
-@dataclass(frozen=True)
-class TransportSpec:
-    """How a trainer rank reaches the servers for one transport (picklable).
-
-    `group` names the weight-update group (distributed): a new name makes a new group, as when a server was
-    replaced. `master_addr` is the source rank's address the servers connect to (default: its host's address);
-    `backend` defaults to NCCL with a GPU, gloo without. `ipc_sources[i]` is the trainer rank colocated with
-    server i (its first GPU), which sends it every bucket (default: rank 0 for every server). With several
-    source ranks each commits its own servers once they have loaded every bucket; the ranks do not agree on the
-    commit among themselves, so a failure on one leaves the others' servers on the new version (each server
-    still whole)."""
+class ServerTargets(Protocol):
+    """The servers a `ServerControl` drives and how: `kind` (distributed: a broadcast over the weight-update group
+    `group`; ipc: payloads in the messages), each server's endpoint, CURVE keys and TP size (`tp(i)`), the group's
+    backend (None: NCCL with a GPU, gloo without) and source address (None: this host's), and the reply timeout."""
 
     kind: Literal["distributed", "ipc"]
     endpoints: tuple[str, ...]
-    curve: tuple[CurveKeys | None, ...] = ()
-    server_tp: tuple[int, ...] = ()
-    group: str = "rollverify-weights"
-    backend: str | None = None
-    master_addr: str | None = None
-    ipc_sources: tuple[int, ...] = ()
-    timeout_s: float = 300.0
-    source_rank: int = 0
+    curve: tuple[CurveKeys | None, ...]
+    group: str
+    backend: str | None
+    master_addr: str | None
+    timeout_s: float
 
-    def __post_init__(self) -> None:
-        n = len(self.endpoints)
-        if not n:
-            raise ValueError("a weight transport needs at least one server endpoint")
-        for name in ("curve", "server_tp", "ipc_sources"):
-            got = getattr(self, name)
-            if got and len(got) != n:
-                raise ValueError(f"TransportSpec.{name} has {len(got)} entries for {n} endpoints (one each)")
+    def tp(self, server: int) -> int: ...
 
-    def open_sink(self, rank: int):
-        """This rank's `WeightSink` (None: it only takes part in the gathers)."""
-        from megatron_bridge.weight_sync import TransportSink, broadcast_sender, ipc_sender
 
-        mine = [i for i in range(len(self.endpoints)) if self._sender_of(i) == rank]
-        if not mine:
-            return None
-        control = ServerControl(self, mine)
-        if self.kind == "distributed":
-            return TransportSink(control, broadcast_sender(control, control.join_group()))
-        return TransportSink(control, ipc_sender(control, self._tp(mine[0])))
+# joins the weight-update group as its rank 0: (master_addr, master_port, world_size, group name, backend,
+# timeout_s) -> the process group (megatron_bridge.weight_sync.join_weight_group)
+JoinGroup = Callable[[str, int, int, str, str, float], Any]
 
-    def _sender_of(self, server: int) -> int:
-        if self.kind == "ipc" and self.ipc_sources:
-            return self.ipc_sources[server]
-        return self.source_rank
-
-    def _tp(self, server: int) -> int:
-        return self.server_tp[server] if self.server_tp else 1
+# weight-update groups this process joined as rank 0, by name: they outlive one sync (joining costs a rendezvous)
+_GROUPS: dict[str, Any] = {}
 
 
 @dataclass
@@ -109,7 +64,7 @@ class ServerControl:
     """The `BucketControl` of one trainer rank: its own ZMQ connections to its servers, on an event loop of its
     own (the trainer's thread blocks in the broadcast while the servers' replies are outstanding)."""
 
-    def __init__(self, spec: TransportSpec, servers: list[int]) -> None:
+    def __init__(self, spec: ServerTargets, servers: list[int]) -> None:
         self.spec, self.servers = spec, servers
         self.kind = spec.kind
         self.op = "update_weights_distributed" if spec.kind == "distributed" else "update_weights_ipc"
@@ -177,11 +132,10 @@ class ServerControl:
 
     # --- the weight-update group (distributed) -----------------------------------------------------------
 
-    def join_group(self):
+    def join_group(self, join_weight_group: JoinGroup):
         """The weight-update group of `spec.group`, joined now unless this process already has: every server
-        is asked to join (rank offsets after this rank 0, by TP size), then this rank joins as rank 0."""
-        from megatron_bridge.weight_sync import join_weight_group
-
+        is asked to join (rank offsets after this rank 0, by TP size), then this rank joins as rank 0 with
+        `join_weight_group`."""
         if self.spec.group in _GROUPS:
             return _GROUPS[self.spec.group]
         import torch
@@ -191,7 +145,7 @@ class ServerControl:
         port = _free_port(addr)
         offsets, world = {}, 1
         for i in range(len(self.spec.endpoints)):
-            offsets[i], world = world, world + self.spec._tp(i)
+            offsets[i], world = world, world + self.spec.tp(i)
         if set(self.conns) != set(offsets):
             raise ValueError("the distributed transport's source rank must reach every server")
         calls = {
@@ -281,106 +235,3 @@ def _free_port(addr: str) -> int:
     with socket.socket() as s:
         s.bind((addr, 0))
         return s.getsockname()[1]
-
-
-# ---------------------------------------------------------------------------------------------- the loop's side
-
-
-MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
-
-
-class TransportWeights:
-    """The loop's `WeightSync` for a cluster: the trainer's ranks stream each version straight to the servers
-    (`kind` distributed or ipc), and with `colocated` the servers and the trainer hand GPU memory to each other.
-
-    Colocated order (after slime's, on SGLang 0.5.23's release/resume):
-
-        before_training: servers release weights, KV cache, CUDA graphs -> trainer reloads its state
-        push(version):   trainer offloads gradients and optimizer state -> servers resume weights ->
-                         buckets (IPC) -> trainer offloads its parameters -> servers resume KV cache, CUDA graphs
-
-    so the two never hold their big allocations at once: released weights come back undefined, and the push
-    that follows their resume fills them. `trainer_memory` offloads and reloads the trainer's state on every rank
-    (`offload(kinds)`, `reload()`: `megatron_bridge.loop_adapter.LoopTrainer` over `megatron_bridge.offload`);
-    without one (`trainer.offload_between_phases: false`) the trainer keeps its memory."""
-
-    def __init__(self, engine: Any, trainer: Any, kind: Literal["distributed", "ipc"], *, colocated: bool,
-                 server_tp: int = 1, master_addr: str | None = None, backend: str | None = None,
-                 bucket_bytes: int = 64 << 20, timeout_s: float = 300.0, trainer_memory: Any = None,
-                 trainer_ranks: int = 1) -> None:
-        self.engine, self.trainer, self.kind, self.colocated = engine, trainer, kind, colocated
-        self.trainer_ranks = trainer_ranks
-        self.server_tp, self.master_addr, self.backend = server_tp, master_addr, backend
-        self.bucket_bytes, self.timeout_s, self.trainer_memory = bucket_bytes, timeout_s, trainer_memory
-        self._group: tuple[tuple[str, ...], str] | None = None  # endpoints of the current group and its name
-        self.released = False
-
-    def spec(self) -> TransportSpec:
-        """The live servers' spec; a new weight-update group whenever the set of servers changed."""
-        live = self.engine.pool.alive()
-        endpoints = tuple(s.conn.endpoint for s in live)
-        if self._group is None or self._group[0] != endpoints:
-            self._group = (endpoints, _group_name())
-        return self._spec_of(live, self._group[1])
-
-    def _spec_of(self, slots: list[Any], group: str) -> TransportSpec:
-        # colocated, GPU by GPU: trainer rank r on the layout's GPU r, server i from GPU i * tp (slime's layout:
-        # rollout from offset 0); server i's buckets come from the rank on its first GPU
-        sources = tuple(s.index * self.server_tp if s.index * self.server_tp < self.trainer_ranks else 0
-                        for s in slots)
-        return TransportSpec(self.kind, tuple(s.conn.endpoint for s in slots), tuple(s.conn.curve for s in slots),
-                             (self.server_tp,) * len(slots), group=group, backend=self.backend,
-                             master_addr=self.master_addr, ipc_sources=sources if self.kind == "ipc" else (),
-                             timeout_s=self.timeout_s)
-
-    def restore(self, server: Any, version: int) -> dict[str, float]:
-        """A restarted server (the engine's `restore_weights`: a pool slot serving the original checkpoint) gets
-        `version` through this transport from the trainer's ranks, like a push: over a weight-update group of
-        its own (distributed; the next push forms a new group with every live server), or from the rank on its
-        first GPU (ipc). While the trainer is offloaded its parameters come back for the send only."""
-        return self.trainer.send_weights(self._spec_of([server], _group_name()), version, self.bucket_bytes)
-
-    def before_training(self) -> None:
-        if not self.colocated:
-            return
-        self._memory("release", list(MEMORY_TAGS))
-        self.released = True
-        if self.trainer_memory is not None:
-            self.trainer_memory.reload()
-
-    def push(self, version: int) -> dict[str, float]:
-        offloading = self.colocated and self.trainer_memory is not None
-        released = self.trainer_memory.offload(("grads", "optimizer")) if offloading else {}
-        if self.released:
-            self._memory("resume", ["weights"])
-        stats = self.trainer.send_weights(self.spec(), version, self.bucket_bytes)
-        self.engine.version = version
-        if offloading:
-            released = {**released, **self.trainer_memory.offload(("params",))}
-        if self.released:
-            self._memory("resume", ["kv_cache", "cuda_graph"])
-            self.released = False
-        return {**stats, **released}
-
-    def _memory(self, action: str, tags: list[str]) -> None:
-        spec = self.spec()
-        control = ServerControl(spec, list(range(len(spec.endpoints))))
-        try:
-            control.call_all("memory", {"action": action, "tags": tags}, f"memory {action} {tags}")
-        finally:
-            control.close()
-
-
-def _group_name() -> str:
-    import uuid
-
-    return f"rollverify-weights-{uuid.uuid4().hex[:12]}"
-
-
-def weight_sync_for(launcher: str, placement: str, engine: Any, trainer: Any, *, server_tp: int = 1,
-                    **kwargs: Any) -> TransportWeights | None:
-    """The loop's `WeightSync` for a cluster layout; None for the local launcher (the loop's in-memory path)."""
-    kind = transport_for(launcher, placement)
-    if kind == "in_memory":
-        return None
-    return TransportWeights(engine, trainer, kind, colocated=placement == "colocated", server_tp=server_tp, **kwargs)

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rollverify.tiny_model import TinyModelSpec, ensure_tiny_model
+from rollverify.app.tiny_model import TinyModelSpec, ensure_tiny_model
 
 # A `rollverify train` run of seconds on the tiny model (config overrides): the end-to-end tests and the Ray test
 # extend it with what they are about.

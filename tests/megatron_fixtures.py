@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from rollverify.tiny_model import TinyModelSpec, ensure_tiny_model
+from rollverify.app.tiny_model import TinyModelSpec, ensure_tiny_model
 
 SPAWN_TIMEOUT_S = 240.0
 

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from rollverify import __version__, rundir
-from rollverify.cli import COMMANDS, main
-from rollverify.config import ConfigError, find_config, load_config, shipped_configs
-from rollverify.console import Progress, fmt, stage, step_line
+from rollverify import __version__
+from rollverify.app import rundir
+from rollverify.app.cli import COMMANDS, main
+from rollverify.app.config import ConfigError, find_config, load_config, shipped_configs
+from rollverify.app.console import Progress, fmt, stage, step_line
 
 # ------------------------------------------------------------------------------------------------ help, version
 
@@ -152,7 +153,7 @@ def test_resume_needs_a_checkpoint_and_a_free_out(tmp_path, capsys):
 
 
 def test_demo_out_rules(tmp_path, capsys):
-    from rollverify.demo import cli_main as demo
+    from rollverify.app.demo import cli_main as demo
 
     earlier = tmp_path / "demo"
     _finished_run(earlier / "on_policy")
@@ -182,7 +183,7 @@ def test_missing_model_or_data_stops_before_anything_is_written(tmp_path, capsys
     (empty / "config.json").write_text("{}")
     assert _train("--out", str(out), f"model.path={empty}") == 2
     assert f"model.path: {empty} has no *.safetensors" in capsys.readouterr().err and not out.exists()
-    from rollverify.demo import cli_main as demo
+    from rollverify.app.demo import cli_main as demo
 
     assert demo(["--out", str(out), f"model.path={tmp_path / 'nowhere'}"]) == 2
     assert "model.path" in capsys.readouterr().err and not out.exists()
@@ -210,7 +211,7 @@ def test_shipped_configs_are_found_from_any_folder(tmp_path, monkeypatch):
 
 
 def test_cache_folder(monkeypatch, tmp_path):
-    from rollverify.tiny_model import cache_root
+    from rollverify.app.tiny_model import cache_root
 
     monkeypatch.setenv("ROLLVERIFY_CACHE", str(tmp_path / "c"))
     assert cache_root() == tmp_path / "c"
@@ -249,7 +250,7 @@ def test_stage_line_names_the_stage_and_its_time():
 
 
 def test_demo_table_prints_a_dash_for_nan():
-    from rollverify.demo import COLUMNS, table
+    from rollverify.app.demo import COLUMNS, table
 
     row = {key: 0.25 for _, key in COLUMNS}
     text = table({"on_policy": {**row, "ops_mean": math.nan, "acceptance_rate": math.nan}, "rollverify": row})
@@ -263,7 +264,7 @@ def test_cpu_warning_filters_drop_only_the_known_ones():
     import logging
     import warnings
 
-    from rollverify.console import CPU_WARNINGS, quiet_cpu_warnings
+    from rollverify.app.console import CPU_WARNINGS, quiet_cpu_warnings
 
     with warnings.catch_warnings(record=True) as seen:
         warnings.resetwarnings()
@@ -312,8 +313,8 @@ def test_a_run_that_failed_to_start_can_be_overwritten(tmp_path, capsys):
 
 
 def test_making_a_tiny_model_prints_its_warm_start_and_no_shard_bar(tmp_path, monkeypatch, capsys):
-    from rollverify import warm_start
-    from rollverify.tiny_model import TinyModelSpec, make_tiny_model
+    from rollverify.app import warm_start
+    from rollverify.app.tiny_model import TinyModelSpec, make_tiny_model
 
     monkeypatch.setitem(warm_start.RECIPES, "countdown_short", warm_start.WarmStartRecipe(steps=2, batch_size=4))
     make_tiny_model(tmp_path / "m", TinyModelSpec(task="countdown_short", hidden_size=32, head_dim=8))

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from rollverify.config import ConfigError, RunConfig, load_config, parse_override
+from rollverify.app.config import ConfigError, RunConfig, load_config, parse_override
+from rollverify.app.tiny_model import TinyModelSpec
 from rollverify.strategies import AlgoConfig
-from rollverify.tiny_model import TinyModelSpec
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -198,7 +198,7 @@ def test_file_errors(tmp_path):
 
 
 def test_demo_stops_on_a_bad_mode_or_override_before_starting_anything(tmp_path, capsys):
-    from rollverify.demo import cli_main as demo
+    from rollverify.app.demo import cli_main as demo
 
     assert demo(["--modes", "on_policy", "fast", "--out", str(tmp_path / "a")]) == 2
     assert "algo.mode" in capsys.readouterr().err and not (tmp_path / "a").exists()

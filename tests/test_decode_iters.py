@@ -7,8 +7,8 @@ import math
 
 from engine_fixtures import reset_server, run
 
-from rollverify.demo import ratio_interval, verdict
-from rollverify.loop import Loop, LoopConfig
+from rollverify.app.demo import ratio_interval, verdict
+from rollverify.loop import Loop, RolloutConfig
 from rollverify.strategies import AlgoConfig
 from rollverify.types import Group
 from sglang_ext.rollout_engine import SGLangRolloutEngine
@@ -17,7 +17,7 @@ pytest_plugins = ["engine_fixtures"]  # the session servers, shared with the oth
 
 
 def _loop(engine, mode: str, batch_groups: int, n: int, max_new: int, max_live: int) -> Loop:
-    cfg = LoopConfig(batch_groups=batch_groups, n=n, max_new_tokens=max_new, max_live=max_live, wait_s=0.05,
+    cfg = RolloutConfig(batch_groups=batch_groups, n=n, max_new_tokens=max_new, max_live=max_live, wait_s=0.05,
                      phase_timeout_s=600)
     return Loop(cfg, AlgoConfig(mode=mode), engine, trainer=None,
                 make_group=lambda gid: Group.new(gid, [5 + gid, 7, 9, 11], n, max_new),

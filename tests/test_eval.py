@@ -9,8 +9,8 @@ import math
 import numpy as np
 import pytest
 
-from rollverify.config import ConfigError, load_config
-from rollverify.evaluate import (
+from rollverify.app.config import ConfigError, load_config
+from rollverify.app.evaluate import (
     EvalSet,
     Evaluator,
     build_evaluator,

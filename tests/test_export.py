@@ -10,7 +10,7 @@ import pytest
 import torch
 from megatron_fixtures import MARKS, fixed_sequences, hf_logits, hf_token_logprobs, tiny_path
 
-from rollverify.export import export_trainer, find_checkpoint, hf_weight_buckets
+from rollverify.app.export import export_trainer, find_checkpoint, hf_weight_buckets
 from rollverify.tasks.chat import has_chat_template
 
 pytestmark = MARKS

@@ -10,10 +10,11 @@ import pytest
 import torch
 from engine_fixtures import SMALL_RUN
 
-from rollverify.cli import main as cli_main
-from rollverify.config import load_config
+from rollverify.app.cli import main as cli_main
+from rollverify.app.config import load_config
+from rollverify.app.start import resolve_model
+from rollverify.app.train import train
 from rollverify.tasks import get_task
-from rollverify.train import resolve_model, train
 
 pytestmark = [pytest.mark.engine, pytest.mark.megatron]
 
@@ -30,8 +31,8 @@ def _tensors(folder):
 @pytest.fixture(scope="module")
 def served_export(tmp_path_factory):
     """An HF export of the initial policy (MegatronTrainer -> export_trainer), served by `rollverify serve`."""
-    from rollverify.export import export_trainer
-    from rollverify.train import start_trainer
+    from rollverify.app.export import export_trainer
+    from rollverify.app.start import start_trainer
     from sglang_ext import cpu_compat
     from sglang_ext.launch import launch_server
 

@@ -15,7 +15,7 @@ import pytest
 
 from rollverify.buffer import RolloutBuffer
 from rollverify.interfaces import Chunk
-from rollverify.loop import InMemoryWeights, Loop, LoopConfig
+from rollverify.loop import InMemoryWeights, Loop, RolloutConfig
 from rollverify.strategies import AlgoConfig
 from rollverify.types import Group
 
@@ -110,6 +110,9 @@ class ScriptedEngine:
         lost, self.lost_ids = self.lost_ids, []
         return lost
 
+    def response_ids(self):
+        return set(self.tracked).union(self.lost_ids)
+
 
 class ScriptedTrainer:
     """New log-probs drift from the engine's by `drift` per version of staleness."""
@@ -142,7 +145,7 @@ class ScriptedTrainer:
 
 def make_loop(mode: str, drift: float = 0.0, **algo) -> tuple[Loop, ScriptedEngine, ScriptedTrainer]:
     engine, trainer = ScriptedEngine(), ScriptedTrainer(drift)
-    cfg = LoopConfig(batch_groups=4, n=2, max_new_tokens=64, max_live=24, wait_s=0.0, phase_timeout_s=5)
+    cfg = RolloutConfig(batch_groups=4, n=2, max_new_tokens=64, max_live=24, wait_s=0.0, phase_timeout_s=5)
     loop = Loop(
         cfg,
         AlgoConfig(mode=mode, **algo),
@@ -322,7 +325,7 @@ class SeededEngine(ScriptedEngine):
 
 def test_resume_at_step_k_reaches_the_same_states_as_a_run_that_never_stopped(tmp_path):
     def new_loop() -> Loop:
-        cfg = LoopConfig(batch_groups=4, n=2, max_new_tokens=64, max_live=24, wait_s=0.0, phase_timeout_s=5)
+        cfg = RolloutConfig(batch_groups=4, n=2, max_new_tokens=64, max_live=24, wait_s=0.0, phase_timeout_s=5)
         return Loop(cfg, AlgoConfig(mode="rollverify", d_s=0.01, switch_window=3), SeededEngine(),
                     ScriptedTrainer(drift=0.006),
                     make_group=lambda gid: Group.new(gid, [3, 4, 5 + gid % 5], cfg.n, cfg.max_new_tokens),
@@ -379,7 +382,7 @@ def test_after_the_switch_no_backlog_is_generated_and_thrown_away():
     switch_step, after = steps[at], steps[at + 1 :]
     assert 1 <= at <= 4 and switch_step["n_carried"] > 40
     # the switch's whole cost: the backlog it sends back to the prompts, no more than one step's generation
-    held_back = switch_step.get("held_back_cut_tokens", 0.0)
+    held_back = switch_step.get("backlog_cut_tokens", 0.0)
     wasted = held_back + sum(m["cut"] for m in after)
     assert 0 < wasted <= switch_step["tokens_generated"]
     assert len(switch_step["engine_groups"]) <= 4  # only the next step's groups stay on the engine

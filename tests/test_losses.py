@@ -351,9 +351,9 @@ def test_vespo_is_the_policy_gradient_on_policy_and_vanishes_far_off():
 def test_trainer_terms_over_micro_batches_equal_the_whole_batch(kind, mode):
     """What Megatron computes (sum of each micro-batch's loss_sum / sum of their counts) is the loss of the
     whole batch at once, for every loss and aggregation mode; None is the loss's default."""
+    from megatron_bridge.config import TrainerConfig
     from megatron_bridge.policy_loss import _padded, terms
     from rollverify import losses
-    from rollverify.config import TrainerConfig
 
     cfg = TrainerConfig(loss=kind, loss_agg_mode=mode)
     g = torch.Generator().manual_seed(1)

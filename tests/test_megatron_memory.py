@@ -112,7 +112,7 @@ def test_gpu_smoke_part_a_dry_run_on_cpu(tmp_path):
     import sys
     from pathlib import Path
 
-    from rollverify.tiny_model import cache_root
+    from rollverify.app.tiny_model import cache_root
 
     root = Path(__file__).resolve().parent.parent
     # a fresh single-process group: not the rendezvous this test process may hold

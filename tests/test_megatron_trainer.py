@@ -282,13 +282,13 @@ def _single(moe: bool, tied: bool) -> dict:
                          ids=["tp2-sp-dense", "pp2-tied", "ep2-moe-replay", "tp2-ep2-sp-moe-replay",
                               "tp2-etp2-sp-moe-replay", "cp2-dense"])
 def test_world_size_2_step_equals_single_process_step(layout, moe, tied):
-    from megatron_bridge.spawned import SpawnedTrainer
+    from megatron_bridge.spawned import spawn_trainer
     from megatron_bridge.trainer import TrainerConfig
 
     ref = _single(moe, tied)
     path = tiny_path(moe=moe, tie_word_embeddings=tied)
     seqs = ref["seqs"]
-    with SpawnedTrainer(path, TrainerConfig(**_sgd(**layout)), world_size=2, timeout_s=240) as tr:
+    with spawn_trainer(path, TrainerConfig(**_sgd(**layout)), world_size=2, timeout_s=240) as tr:
         lp, ent = tr.compute_logprobs(seqs, replay=moe)
         before = tr.export_hf_state()
         m = tr.train_step(seqs)
@@ -321,12 +321,12 @@ def test_checkpoint_written_at_tp2_loads_at_tp1(tmp_path):
     Adam moments, and the schedule written by 2 TP ranks continue in one process as they would have there. The
     2 ranks go through an offload/reload cycle of their memory (megatron_bridge.offload) before the second step,
     which therefore also shows that the cycle changes nothing at world size 2."""
-    from megatron_bridge.spawned import SpawnedTrainer
+    from megatron_bridge.spawned import spawn_trainer
     from megatron_bridge.trainer import TrainerConfig
 
     seqs = _rl_batch(tiny_path(), shift=0.05)
     cfg = dict(lr=1e-2, micro_batch_tokens=24)
-    with SpawnedTrainer(tiny_path(), TrainerConfig(tp=2, **cfg), world_size=2, timeout_s=240) as tr:
+    with spawn_trainer(tiny_path(), TrainerConfig(tp=2, **cfg), world_size=2, timeout_s=240) as tr:
         tr.train_step(seqs)
         lp, ent = tr.compute_logprobs(seqs)
         tr.save_checkpoint(tmp_path / "ckpt")

@@ -111,7 +111,7 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path):
         assert res.returncode == 0, res.stderr
         return res.stdout
 
-    where = run(str(py), "-c", "import rollverify, rollverify.config as c; print(rollverify.__file__); "
+    where = run(str(py), "-c", "import rollverify, rollverify.app.config as c; print(rollverify.__file__); "
                 "print(c.find_config('tiny_cpu'))").split()
     assert all(Path(p).is_relative_to(venv) for p in where), where  # the installed copy, not the checkout
     cli = str(venv / "bin" / "rollverify")

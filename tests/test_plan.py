@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from rollverify.config import ConfigError, load_config
-from rollverify.plan import (
+from rollverify.app.config import ConfigError, load_config
+from rollverify.app.plan import (
     ARCH_PRESETS,
     GiB,
     PlanError,
@@ -187,7 +187,7 @@ def test_cluster_keys_that_contradict_each_other():
 
 
 def test_train_checks_the_plan_before_it_writes_anything(tmp_path):
-    from rollverify.train import train
+    from rollverify.app.train import train
 
     cfg = load_config(CONFIGS / "qwen3_8b_base.yaml", ["trainer.dp=32"], check_task=False)
     with pytest.raises(PlanError, match="trainer world size 64"):

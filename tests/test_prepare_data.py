@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from rollverify.config import load_config
+from rollverify.app.config import load_config
 from rollverify.tasks import get_task, load_prompt_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))

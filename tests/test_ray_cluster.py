@@ -15,7 +15,7 @@ import pytest
 from engine_fixtures import SMALL_RUN
 from test_replay_resume import FLOOR, REWARD
 
-from rollverify.config import load_config
+from rollverify.app.config import load_config
 
 pytestmark = [pytest.mark.engine, pytest.mark.megatron]
 
@@ -81,8 +81,8 @@ def _distributed_run(cfg, out):
     """`rollverify train`'s Run, its weights through the distributed transport (trainer rank 0 broadcasts each
     bucket over a gloo group to both servers; the disaggregated layout's transport, which a CPU config cannot
     select: the colocated one shares memory, which nodes do not)."""
-    from rollverify.train import Run
-    from sglang_ext.weight_transport import TransportWeights
+    from rollverify.app.train import Run
+    from rollverify.app.weight_transport import TransportWeights
 
     class DistributedRun(Run):
         def _weight_sync(self):
@@ -117,7 +117,7 @@ def test_rollverify_steps_over_two_nodes_survive_a_killed_server(ray_cluster, tm
 
     try:
         assert {_label(n.node_id) for n in run.cluster.nodes} == {"rv_node_0", "rv_node_1"}
-        ranks = [_label(n) for n in run.trainer.trainer.rank_nodes]
+        ranks = [_label(n) for n in run.trainer.ranks.nodes]
         servers = [_label(s.process.info["node_id"]) for s in run.engine.pool.servers]
         assert sorted(ranks) == sorted(servers) == ["rv_node_0", "rv_node_1"]  # one of each per node
         assert all(s.conn.endpoint.startswith("tcp://") and "127.0.0.1" not in s.conn.endpoint
@@ -155,13 +155,13 @@ def test_rollverify_steps_over_two_nodes_survive_a_killed_server(ray_cluster, tm
 
 
 def _plan(*overrides: str):
-    from rollverify.plan import check
+    from rollverify.app.plan import check
 
     return check(load_config(None, [*SMALL, *overrides]))
 
 
 def test_a_node_that_does_not_join_in_time_is_named(ray_cluster):
-    from rollverify.cluster import ClusterError, RayCluster
+    from rollverify.app.cluster import ClusterError, RayCluster
 
     with pytest.raises(ClusterError, match=r"cluster.nodes = 3 but 2 Ray node\(s\)") as e:
         RayCluster.start(_plan("cluster.nodes=3", "trainer.dp=3", "rollout.n_servers=3", "cluster.join_timeout_s=1"))
@@ -169,7 +169,7 @@ def test_a_node_that_does_not_join_in_time_is_named(ray_cluster):
 
 
 def test_fewer_gpus_or_cpus_than_the_plan_needs_are_refused_naming_the_node(ray_cluster):
-    from rollverify.cluster import ClusterError, RayCluster
+    from rollverify.app.cluster import ClusterError, RayCluster
 
     with pytest.raises(ClusterError, match=r"plan node \d needs 1 GPU\(s\) and 2 CPU\(s\).*has 0 GPU\(s\)"):
         RayCluster.start(_plan("cluster.gpus_per_node=1", "cluster.join_timeout_s=5"))
@@ -181,7 +181,7 @@ def test_fewer_gpus_or_cpus_than_the_plan_needs_are_refused_naming_the_node(ray_
 
 
 def test_a_model_path_missing_on_the_nodes_is_named_per_node(ray_cluster, tmp_path):
-    from rollverify.cluster import ClusterError, RayCluster
+    from rollverify.app.cluster import ClusterError, RayCluster
 
     with pytest.raises(ClusterError) as e:
         RayCluster.start(_plan("cluster.join_timeout_s=30"), [str(tmp_path / "no-model") + "/"])

@@ -1,13 +1,13 @@
-"""The Ray launcher's placement logic for the paper's GPU layouts (rollverify.cluster), without Ray: the bundles a
+"""The Ray launcher's placement logic for the paper's GPU layouts (rollverify.app.cluster), without Ray: the bundles a
 placement group reserves per node, each actor's GPU share, and the resource check that names a short node."""
 
 from __future__ import annotations
 
 import pytest
 
-from rollverify.cluster import ClusterError, RayNode, check_resources, gpu_shares, node_needs
-from rollverify.config import load_config
-from rollverify.plan import check
+from rollverify.app.cluster import ClusterError, RayNode, check_resources, gpu_shares, node_needs
+from rollverify.app.config import load_config
+from rollverify.app.plan import check
 
 
 def _plan(config: str, *overrides: str):

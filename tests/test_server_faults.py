@@ -15,8 +15,8 @@ import numpy as np
 import psutil
 import pytest
 
-from rollverify.config import load_config
-from rollverify.train import Run
+from rollverify.app.config import load_config
+from rollverify.app.train import Run
 
 pytestmark = [pytest.mark.engine, pytest.mark.megatron]
 
@@ -48,7 +48,7 @@ def test_killed_server_is_restarted_and_its_responses_resubmitted(tmp_path):
         def kill_then_wait(timeout: float):  # fault injection on the first wait of step 2's rollout
             if not seen:
                 live = [r for g in loop.buffer.groups.values() for r in g.responses if not r.finished]
-                seen.update(unfinished={rid for rid in loop.on_engine if not loop.buffer.get(rid).finished},
+                seen.update(unfinished={rid for rid in engine.response_ids() if not loop.buffer.get(rid).finished},
                             prefixes={r.response_id: r.token_ids.copy() for r in live if r.num_tokens})
                 os.kill(old.pid, signal.SIGKILL)
                 old.proc.wait(30)

@@ -13,8 +13,8 @@ import zmq
 import zmq.asyncio
 from engine_fixtures import hf_forward, reset_server, run, same_routes
 
+from rollverify.app.tiny_model import TinyModelSpec, ensure_tiny_model
 from rollverify.buffer import RolloutBuffer
-from rollverify.tiny_model import TinyModelSpec, ensure_tiny_model
 from rollverify.types import Group, Response
 from sglang_ext.client import ControlError, CurveKeys, ServerConnection, SubmitRequest, _encode_submit
 from sglang_ext.protocol import ErrorCode, WireSamplingParams, decode

@@ -12,7 +12,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from rollverify.cli import main as cli
+from rollverify.app.cli import main as cli
 from rollverify.interfaces import SamplingParams
 from rollverify.sim.cost import ClusterSpec, CostModel, ModelSpec
 from rollverify.sim.engine import DriftModel, SimClock, SimEngine, SimTrainer, Workload, _units_within

@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from rollverify.cli import main as cli_main
-from rollverify.tiny_model import MARKER, TinyModelSpec, build_tokenizer, make_tiny_model, vocabulary
+from rollverify.app.cli import main as cli_main
+from rollverify.app.tiny_model import MARKER, TinyModelSpec, build_tokenizer, make_tiny_model, vocabulary
 
 
 def _digest_dir(path) -> dict[str, str]:

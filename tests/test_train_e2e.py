@@ -11,10 +11,11 @@ import json
 import pytest
 from engine_fixtures import SMALL_RUN
 
+from rollverify.app.cli import main as cli_main
+from rollverify.app.config import load_config
+from rollverify.app.start import resolve_model
+from rollverify.app.train import train
 from rollverify.buffer import RolloutBuffer
-from rollverify.cli import main as cli_main
-from rollverify.config import load_config
-from rollverify.train import resolve_model, train
 from rollverify.types import Group
 
 pytestmark = [pytest.mark.engine, pytest.mark.megatron]
@@ -96,7 +97,7 @@ def test_config_errors_stop_before_anything_starts(tmp_path, capsys):
 
 def _served_weights() -> list:
     """The served checkpoint's tensors, (HF name, tensor): a weight update with them changes only the version."""
-    from rollverify.export import hf_weight_buckets
+    from rollverify.app.export import hf_weight_buckets
 
     return [kv for bucket in hf_weight_buckets(resolve_model(load_config(None, SMALL))) for kv in bucket]
 
@@ -215,8 +216,8 @@ def test_engine_side_verification_matches_the_trainer_with_exact_accounting(serv
     import numpy as np
     import torch
 
+    from rollverify.app.train import Run
     from rollverify.strategies import RollVerify
-    from rollverify.train import Run
     from rollverify.verify import token_ops
 
     cfg = load_config(None, [*SMALL, "trainer.steps=3", f"rollout.endpoints=[\"{server.endpoint}\"]",

@@ -55,7 +55,8 @@ BUCKETS = [[("model.embed_tokens.weight", torch.full((128, 8), float(i)))] for i
 
 
 def _sink(servers):
-    from sglang_ext.weight_transport import ServerControl, TransportSpec
+    from rollverify.app.weight_transport import TransportSpec
+    from sglang_ext.weight_transport import ServerControl
 
     spec = TransportSpec("ipc", tuple(s.endpoint for s in servers), timeout_s=20.0)
     control = ServerControl(spec, list(range(len(servers))))
@@ -135,7 +136,8 @@ def test_commit_of_another_bucket_count_is_refused_and_ends_the_stream():
 
 
 def test_memory_handoff_bookkeeping():
-    from sglang_ext.weight_transport import ServerControl, TransportSpec
+    from rollverify.app.weight_transport import TransportSpec
+    from sglang_ext.weight_transport import ServerControl
 
     with FakeServer(StreamEngine()) as a:
         control = ServerControl(TransportSpec("ipc", (a.endpoint,), timeout_s=20.0), [0])

@@ -18,9 +18,9 @@ import pytest
 from engine_fixtures import FakeEngine, FakeServer, run
 from test_loop_logic import ScriptedEngine, ScriptedTrainer
 
+from rollverify.app.config import ConfigError, load_config
 from rollverify.buffer import RolloutBuffer
-from rollverify.config import ConfigError, load_config
-from rollverify.loop import Loop, LoopConfig
+from rollverify.loop import Loop, RolloutConfig
 from rollverify.strategies import AlgoConfig
 from rollverify.types import Group
 from sglang_ext.client import ControlError, ServerConnection, SubmitRequest
@@ -255,7 +255,7 @@ class CountingTrainer(ScriptedTrainer):
 
 def _loop(verify_on: str, drift: float = 0.006) -> Loop:
     """test_loop_logic.make_loop's run with the engine and trainer above, verified by the token stage."""
-    cfg = LoopConfig(batch_groups=4, n=2, max_new_tokens=64, max_live=24, wait_s=0.0, phase_timeout_s=5)
+    cfg = RolloutConfig(batch_groups=4, n=2, max_new_tokens=64, max_live=24, wait_s=0.0, phase_timeout_s=5)
     return Loop(
         cfg,
         AlgoConfig(mode="rollverify", seq_stage=False, conditional_switch=False, verify_on=verify_on),
@@ -280,7 +280,7 @@ def test_engine_mode_pushes_weights_first_overlaps_new_groups_and_cuts_the_engin
         assert m["n_launched_while_verifying"] > 0 and engine.generating[-1] > 0
         assert m["logprob_wait_s"] >= 0 and not engine.held and not engine.paused
         lengths = {rid: st["len"] for rid, st in engine.tracked.items()}
-        assert lengths == {rid: loop.buffer.get(rid).num_tokens for rid in loop.on_engine}
+        assert lengths == {rid: loop.buffer.get(rid).num_tokens for rid in engine.response_ids()}
         cut_steps += m["verify/truncated"] > 0
     assert cut_steps > 0 and loop.trainer.forwards == []
 
@@ -291,8 +291,7 @@ def test_responses_the_engines_do_not_hold_are_verified_on_the_trainer():
     loop.rollout()  # the next phase, ending paused: what the step's verification finds
     carried = [r.response_id for r in loop.buffer.carried_over()]
     gone = carried[::2]
-    loop.on_engine.difference_update(gone)  # as after a restore: the engines hold none of these
-    loop.engine.drop(gone)
+    loop.engine.drop(gone)  # as after a restore: the engines hold none of these
     m = loop.verify()
     assert loop.trainer.forwards == [gone]
     assert loop.engine.calls[-1][1] == [rid for rid in carried if rid not in gone]
@@ -332,7 +331,7 @@ def test_a_switch_during_engine_side_verification_drops_the_new_groups_it_does_n
     """The switch to on_policy can come from a verification during which new groups already generate: the groups
     beyond the B the next step completes leave the engines (running ones included) and restart later, and from
     then on every step completes what it launches, with the exact ledger throughout."""
-    cfg = LoopConfig(batch_groups=4, n=2, max_new_tokens=64, max_live=24, wait_s=0.0, phase_timeout_s=5)
+    cfg = RolloutConfig(batch_groups=4, n=2, max_new_tokens=64, max_live=24, wait_s=0.0, phase_timeout_s=5)
     loop = Loop(
         cfg,
         AlgoConfig(mode="rollverify", verify_on="engine", switch_window=2, switch_tau=0.5),

@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollverify.tasks import get_task
-from rollverify.tiny_model import TinyModelSpec, build_tokenizer, ensure_tiny_model, make_tiny_model
-from rollverify.warm_start import (
+from rollverify.app.tiny_model import TinyModelSpec, build_tokenizer, ensure_tiny_model, make_tiny_model
+from rollverify.app.warm_start import (
     WarmStartRecipe,
     evaluate_reward,
     recipe_fingerprint,
@@ -16,6 +15,7 @@ from rollverify.warm_start import (
     warm_start,
     weights_digest,
 )
+from rollverify.tasks import get_task
 
 
 def _load(path):

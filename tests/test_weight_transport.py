@@ -47,7 +47,7 @@ def trainer():
 
 
 def _spec(servers, kind: str, **kw):
-    from sglang_ext.weight_transport import TransportSpec
+    from rollverify.app.weight_transport import TransportSpec
 
     return TransportSpec(kind, tuple(s.endpoint for s in servers), tuple(s.curve for s in servers),
                          master_addr="127.0.0.1", timeout_s=120.0, group=f"rv-test-{uuid.uuid4().hex[:8]}", **kw)
@@ -122,7 +122,7 @@ def test_a_stream_aborted_after_a_bucket_keeps_the_old_version_and_launches_noth
     """The trainer fails after the first bucket was loaded: every server aborts the stream, still reports its
     old version, and refuses to launch until a whole version arrives (the next sync)."""
     from megatron_bridge import weight_sync
-    from sglang_ext.weight_transport import TransportSpec
+    from rollverify.app.weight_transport import TransportSpec
 
     spec = _spec(servers, "ipc")
     before = [_health(s)["version"] for s in servers]
@@ -179,8 +179,9 @@ def test_colocated_handoff_order_against_the_servers(servers, trainer):
     trainer's side is the real one (megatron_bridge.offload): after the push its storages are released, the
     next training phase gets them back unchanged."""
     from megatron_bridge.loop_adapter import LoopTrainer
+    from rollverify.app.weight_transport import TransportSpec, TransportWeights
     from sglang_ext.rollout_engine import SGLangRolloutEngine
-    from sglang_ext.weight_transport import ServerControl, TransportSpec, TransportWeights
+    from sglang_ext.weight_transport import ServerControl
 
     log: list[str] = []
 
@@ -239,13 +240,13 @@ def test_colocated_handoff_order_against_the_servers(servers, trainer):
 def test_a_restarted_server_gets_the_policy_through_the_transport(servers, trainer):
     """`TransportWeights.restore`, the engine's `restore_weights` for a restarted server: the trainer's ranks send
     it the current version over a weight-update group of its own; nothing goes through the driver."""
+    from rollverify.app.weight_transport import TransportWeights
     from sglang_ext.rollout_engine import SGLangRolloutEngine
-    from sglang_ext.weight_transport import TransportWeights
 
     with SGLangRolloutEngine([s.endpoint for s in servers], curve=servers[0].curve, timeout_s=120.0) as engine:
         weights = TransportWeights(engine, trainer, "distributed", colocated=False, master_addr="127.0.0.1",
                                    bucket_bytes=64 << 10, timeout_s=120.0)
-        stats = weights.restore(engine.pool.servers[0], 33)
+        stats = weights.restore(engine.live_servers()[0], 33)
     assert stats["version"] == 33 and stats["sync_buckets"] > 1
     samples = _sample(servers[0])
     assert all((v == 33).all() for *_, v in samples)

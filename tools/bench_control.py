@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import sglang as sgl
 
-    from rollverify.tiny_model import TinyModelSpec, ensure_tiny_model
+    from rollverify.app.tiny_model import TinyModelSpec, ensure_tiny_model
     from sglang_ext.client import ServerConnection
     from sglang_ext.engine import default_engine_kwargs
     from sglang_ext.launch import launch_server

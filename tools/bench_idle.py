@@ -138,7 +138,7 @@ def work(endpoint: str, batch: int, tokens: int, repeats: int) -> dict:
 
 
 def measure(mode: str, moe: bool, a: argparse.Namespace) -> dict:
-    from rollverify.tiny_model import TinyModelSpec, ensure_tiny_model
+    from rollverify.app.tiny_model import TinyModelSpec, ensure_tiny_model
     from sglang_ext.launch import launch_server
 
     model = ensure_tiny_model(TinyModelSpec(moe=moe))

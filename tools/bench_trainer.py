@@ -58,11 +58,11 @@ def _timed(fn, repeats: int, sync=lambda: None) -> tuple[float, object]:
 def bench_one(name: str, path: str, args) -> dict:
     import torch
 
+    from megatron_bridge.config import TrainerConfig
     from megatron_bridge.model import ModelArch
     from megatron_bridge.spawned import make_trainer
     from megatron_bridge.trainer import resolve_device
     from megatron_bridge.weight_sync import DiskSink, InMemorySink
-    from rollverify.config import TrainerConfig
 
     arch = ModelArch.from_hf_dir(path)
     cfg = TrainerConfig(tp=args.tp, ep=args.ep if arch.moe else 1, pp=args.pp, lr=1e-5,
@@ -147,10 +147,10 @@ def _memory_worker(model: str, tokens: int, threads: int, recompute: str = "none
     if threads:
         torch.set_num_threads(threads)
     from megatron_bridge.batch import TrainSequence
+    from megatron_bridge.config import TrainerConfig
     from megatron_bridge.model import ModelArch
     from megatron_bridge.trainer import MegatronTrainer
-    from rollverify.config import TrainerConfig
-    from rollverify.tiny_model import TinyModelSpec, ensure_tiny_model
+    from rollverify.app.tiny_model import TinyModelSpec, ensure_tiny_model
 
     path = ensure_tiny_model(TinyModelSpec(**MEMORY_MODELS[model]))
     arch = ModelArch.from_hf_dir(path)
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.model_path:
         targets = [(Path(args.model_path).name, args.model_path)]
     else:
-        from rollverify.tiny_model import TinyModelSpec, ensure_tiny_model
+        from rollverify.app.tiny_model import TinyModelSpec, ensure_tiny_model
 
         targets = [(m, str(ensure_tiny_model(TinyModelSpec(moe=m == "moe")))) for m in args.models.split(",")]
     rows = [bench_one(name, path, args) for name, path in targets]

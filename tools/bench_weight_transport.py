@@ -47,10 +47,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from megatron_bridge.loop_adapter import LoopTrainer
     from megatron_bridge.trainer import MegatronTrainer, TrainerConfig
-    from rollverify.tiny_model import TinyModelSpec, ensure_tiny_model
+    from rollverify.app.tiny_model import TinyModelSpec, ensure_tiny_model
+    from rollverify.app.weight_transport import TransportSpec
     from sglang_ext.launch import launch_server
     from sglang_ext.rollout_engine import SGLangRolloutEngine
-    from sglang_ext.weight_transport import TransportSpec
 
     path = ensure_tiny_model(TinyModelSpec())
     bucket = args.bucket_kib << 10

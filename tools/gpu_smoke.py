@@ -58,8 +58,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 # dependencies may load, and of the project only these modules (which import nothing else)
 HEAVY_PACKAGES = ("sglang", "sglang_ext", "sgl_kernel", "flashinfer", "vllm", "ray", "zmq", "wandb", "pydantic",
                   "pandas", "pyarrow", "datasets", "orjson", "uvloop", "fastapi")
-PROJECT_MODULES = ("megatron_bridge", "rollverify", "rollverify.tiny_model", "rollverify.verify",
-                   "rollverify.losses", "rollverify.config", "rollverify.strategies", "rollverify.types")
+PROJECT_MODULES = ("megatron_bridge", "rollverify", "rollverify.app", "rollverify.app.tiny_model", "rollverify.verify",
+                   "rollverify.losses", "rollverify.sections", "rollverify.strategies", "rollverify.types")
 
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12,
                    "L40S": 362e12, "B200": 2250e12, "GH200": 989e12}
@@ -140,7 +140,7 @@ def model_specs(quick: bool) -> dict:
 
 
 def model_path(name: str, env: Env) -> str:
-    from rollverify.tiny_model import TinyModelSpec, ensure_tiny_model
+    from rollverify.app.tiny_model import TinyModelSpec, ensure_tiny_model
 
     return str(ensure_tiny_model(TinyModelSpec(**model_specs(env.quick)[name])))
 
@@ -156,8 +156,8 @@ def random_sequences(n: int, vocab: int, prompt: int, gens: list[int], seed: int
 
 
 def make_trainer(path: str, env: Env, dtype: str, **kw):
+    from megatron_bridge.config import TrainerConfig
     from megatron_bridge.trainer import MegatronTrainer
-    from rollverify.config import TrainerConfig
 
     kw.setdefault("micro_batch_tokens", 8192)
     kw.setdefault("lr", 1e-5)
@@ -628,8 +628,8 @@ def _weight_update(endpoint: str, path: str, env: Env) -> Check:
     import torch
     from safetensors.torch import load_file
 
+    from rollverify.app.tiny_model import TinyModelSpec, ensure_tiny_model
     from rollverify.buffer import RolloutBuffer
-    from rollverify.tiny_model import TinyModelSpec, ensure_tiny_model
     from rollverify.types import Group
     from sglang_ext.protocol import WireSamplingParams
     from sglang_ext.rollout_engine import SGLangRolloutEngine
@@ -709,11 +709,11 @@ def _transport(endpoint: str, path: str, env: Env, dtype: str, kind: str) -> Che
     sampled log-probs equal the trainer's (bf16 floor) and the tokens carry the new version."""
     import numpy as np
 
+    from rollverify.app.weight_transport import TransportSpec
     from rollverify.buffer import RolloutBuffer
     from rollverify.types import Group
     from sglang_ext.protocol import WireSamplingParams
     from sglang_ext.rollout_engine import SGLangRolloutEngine
-    from sglang_ext.weight_transport import TransportSpec
 
     version = {"ipc": 21, "distributed": 22}[kind]
     seqs = random_sequences(4, 128, 8, [24, 24, 24, 24])
@@ -752,9 +752,10 @@ def _memory_handoff(path: str, env: Env, dtype: str, args: list[str]) -> Check:
     and takes them again on `resume` (the colocated handoff); the free device memory shows it."""
     import torch
 
+    from rollverify.app.weight_transport import TransportSpec
     from sglang_ext.launch import launch_server
     from sglang_ext.rollout_engine import SGLangRolloutEngine
-    from sglang_ext.weight_transport import ServerControl, TransportSpec
+    from sglang_ext.weight_transport import ServerControl
 
     server = launch_server(path, args=args, engine_args={"enable_memory_saver": True},
                            log_path=env.workdir / "server-memory-saver.log")

@@ -31,9 +31,9 @@ D_T = (2.0, 0.5, 0.2, 0.1)
 def carried_ops(run: Path) -> tuple[dict, list[np.ndarray], int]:
     """(arrays of the carried tokens: old/new log-probs, versions, lengths; per-token OPS), checkpoint version."""
     from megatron_bridge.loop_adapter import LoopTrainer
+    from rollverify.app.config import RunConfig
+    from rollverify.app.start import resolve_model, start_trainer
     from rollverify.buffer import RolloutBuffer
-    from rollverify.config import RunConfig
-    from rollverify.train import resolve_model, start_trainer
     from rollverify.verify import token_ops
 
     ckpt = run / "checkpoint"

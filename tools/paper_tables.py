@@ -269,8 +269,9 @@ def write_report(out: Path, seeds: list[int], agg: dict, figs: list[Path], log: 
 
 def run_all(out: Path, names: list[str], seeds: list[int], extra: list[str], log: dict) -> None:
     """Every (run, seed) without a summary.json, in-process, against one shared server."""
-    from rollverify.config import load_config
-    from rollverify.train import resolve_model, train
+    from rollverify.app.config import load_config
+    from rollverify.app.start import resolve_model
+    from rollverify.app.train import train
     from sglang_ext import cpu_compat
     from sglang_ext.launch import launch_server
 

@@ -46,8 +46,8 @@ KEYS = ("train/mismatch_abs_max", "train/mismatch_abs_mean", "train/mismatch_tok
 
 
 def run_setting(name: str, out: Path, steps: int) -> list[dict]:
-    from rollverify.config import load_config
-    from rollverify.train import train
+    from rollverify.app.config import load_config
+    from rollverify.app.train import train
 
     cfg = load_config(None, [*BASE, *SETTINGS[name][1], f"trainer.steps={steps}"])
     train(cfg, out / name, progress=False)

@@ -314,6 +314,9 @@ class SimEngine:
     def lost(self) -> list[str]:
         return []  # a simulated server never fails
 
+    def response_ids(self) -> set[str]:
+        return set(self.tracked)
+
 
 class SimTrainer:
     """`Trainer` whose steps cost 6 N per token and whose log-probs drift from the engine's (`DriftModel`)."""

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rollverify.loop import Loop, LoopConfig
+from rollverify.loop import Loop, RolloutConfig
 from rollverify.sim.cost import GPUS, ClusterSpec, CostModel, ModelSpec
 from rollverify.sim.engine import DriftModel, SimClock, SimEngine, SimTrainer, Workload
 from rollverify.strategies import VERIFY_ON, AlgoConfig
@@ -78,16 +78,16 @@ def simulate(mode: str, context: int, cfg: SimConfig) -> RunResult:
     engine = SimEngine(cost, workload, clock, cfg.seed, drift=cfg.drift, total_steps=cfg.steps)
     trainer = SimTrainer(cost, cfg.drift, clock, workload.token_unit, cfg.steps, cfg.seed)
     batch = cfg.batch_groups * cfg.n
-    loop_cfg = LoopConfig(
+    rollout = RolloutConfig(
         batch_groups=cfg.batch_groups, n=cfg.n, max_new_tokens=workload.max_units, temperature=1.0,
         max_live=max(batch, int(cfg.max_live_batches * batch)), wait_s=0.0, phase_timeout_s=3600.0,
-        monitor_ops=False,  # partial pays no verification forward
     )
     prompt = np.zeros(workload.prompt_tokens, np.int32)
     # the switch window covers the same share of training as in a run of paper_steps steps (at least 2 steps)
     window = max(2, round(cfg.algo.switch_window * cfg.steps / cfg.paper_steps))
     loop = Loop(
-        loop_cfg, replace(cfg.algo, mode=mode, switch_window=window), engine, trainer,
+        # partial pays no verification forward: no monitoring OPS either
+        rollout, replace(cfg.algo, mode=mode, switch_window=window, monitor_ops=False), engine, trainer,
         make_group=lambda gid: Group.new(gid, prompt, cfg.n, workload.max_units),
         reward=lambda group, response: float(response.index % 2),
     )

@@ -5,18 +5,17 @@
 A run is expensive (servers, trainer ranks, minutes to days), so every key is checked up front: an unknown key,
 a value of the wrong type or out of range, or an inconsistent combination (parallel sizes that do not divide,
 an eval larger than the run) is a `ConfigError` that names the key and says what is allowed. A section is the
-dataclass its consumer takes: `algo` is `rollverify.strategies.AlgoConfig` itself (the loop's strategies), and
-`trainer` is what `megatron_bridge.trainer.MegatronTrainer` takes, so the file and the code share one
-definition and nothing is copied or renamed between them.
+dataclass its consumer takes and owns, with its own rules (`check()`): `rollout` is the loop's
+`rollverify.loop.RolloutConfig`, `algo` the strategies' `rollverify.strategies.AlgoConfig`, `trainer` the trainer
+wing's `megatron_bridge.config.TrainerConfig`; the run config composes them with the application's own sections
+and checks the rules that span sections, so the file and the code share one definition and nothing is copied
+or renamed between them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import importlib.util
-import math
-import types
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -24,24 +23,15 @@ from typing import Any, Literal
 
 import yaml
 
+from megatron_bridge.config import TrainerConfig
+from rollverify.loop import RolloutConfig
+from rollverify.sections import ConfigError, bounded, build, coerce, suggest
 from rollverify.strategies import AlgoConfig
 
-
-class ConfigError(ValueError):
-    """A bad config key or value; the message names the key and what is allowed."""
-
-
-def _f(default: Any = dataclasses.MISSING, *, ge=None, gt=None, le=None, lt=None, factory=None) -> Any:
-    """A dataclass field with numeric bounds checked by `_build`."""
-    meta = {k: v for k, v in dict(ge=ge, gt=gt, le=le, lt=lt).items() if v is not None}
-    if factory is not None:
-        return field(default_factory=factory, metadata=meta)
-    return field(default=default, metadata=meta)
+__all__ = ["ConfigError", "RunConfig", "load_config", "parse_override", "apply_overrides", "find_config",
+           "shipped_configs", "SECTIONS"]
 
 
-LossKind = Literal["grpo", "ppo", "gspo", "sapo", "vespo"]
-AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
-DecayStyle = Literal["constant", "linear", "cosine"]
 Dtype = Literal["auto", "float32", "bfloat16"]
 
 
@@ -53,10 +43,10 @@ class ModelConfig:
     dtype: Dtype = "auto"  # auto: float32 on CPU, bfloat16 on GPU (engine and trainer alike)
     # --- tiny model (path: null) ---
     moe: bool = False  # tiny Qwen3-MoE (8 experts, top-2) instead of dense Qwen3
-    tiny_seed: int = _f(0, ge=0)
+    tiny_seed: int = bounded(0, ge=0)
     task: str | None = "auto"  # warm-start task; auto: task.name when it is synthetic; null: no warm start
-    tiny_overrides: dict[str, Any] = _f(factory=dict)  # other TinyModelSpec fields, e.g. {hidden_size: 128}
-    # `rollverify plan` where model.path/config.json is not on this machine: a preset (rollverify.plan.ARCH_PRESETS:
+    tiny_overrides: dict[str, Any] = bounded(factory=dict)  # other TinyModelSpec fields, e.g. {hidden_size: 128}
+    # `rollverify plan` where model.path/config.json is not on this machine: a preset (rollverify.app.presets.ARCH_PRESETS:
     # qwen3-8b, qwen3-30b-a3b) or the fields of the checkpoint's config.json
     arch: str | dict[str, Any] | None = None
 
@@ -74,103 +64,10 @@ class TaskConfig:
     """Where prompts come from and how responses are scored (`rollverify.tasks`)."""
 
     name: str = "countdown"  # a registered task: countdown, countdown_short, math
-    options: dict[str, Any] = _f(factory=dict)  # task arguments, e.g. {train_path: data/dapo.parquet}
+    options: dict[str, Any] = bounded(factory=dict)  # task arguments, e.g. {train_path: data/dapo.parquet}
     # A reward function instead of the task's own: module:function or path/to/file.py:function, called as
     # fn(prompt, response, label) -> float (rollverify.tasks.reward)
     reward: str | None = None
-
-
-@dataclass
-class RolloutConfig:
-    """SGLang rollout: servers, GRPO batch shape, sampling, concurrency."""
-
-    n_servers: int = _f(1, ge=1)  # servers launched by `rollverify train` (ignored with endpoints)
-    endpoints: list[str] = _f(factory=list)  # connect to running servers instead of launching
-    batch_groups: int = _f(8, ge=1)  # B: finished groups per optimizer step
-    n: int = _f(4, ge=2)  # responses per prompt (GRPO group size)
-    max_new_tokens: int = _f(256, ge=1)
-    temperature: float = _f(1.0, gt=0.0)
-    # Responses generated at once over all servers. Above B*n it over-provisions: extra groups run while the
-    # slow tail finishes, which is where partial rollout gains its speed.
-    max_live: int = _f(64, ge=1)
-    engine_args: dict[str, Any] = _f(
-        factory=dict
-    )  # SGLang ServerArgs, e.g. {tp_size: 4, max_total_tokens: 8192}
-    # A server that does not answer for this long is lost: its unfinished responses go to the others. Servers
-    # `rollverify train` launched are also watched by process, and restarted when they exit.
-    server_timeout_s: float = _f(300.0, gt=0.0)
-
-
-@dataclass
-class TrainerConfig:
-    """The trainer: optimiser, policy loss, parallel layout, limits. `megatron_bridge.trainer.MegatronTrainer`
-    takes this section as it is; the model's dtype, the seed and the sampling temperature it reads from their
-    own sections."""
-
-    steps: int = _f(40, ge=1)  # optimizer steps (= policy versions) of the run; the lr schedule decays over them
-    lr: float = _f(1e-6, gt=0.0)  # the paper's 1e-6; the tiny CPU model needs ~1e-4
-    min_lr: float = _f(0.0, ge=0.0)
-    lr_warmup_steps: int = _f(0, ge=0)
-    lr_decay_style: DecayStyle = "constant"
-    weight_decay: float = _f(0.0, ge=0.0)
-    grad_clip: float = _f(1.0, gt=0.0)  # global gradient norm bound
-    optimizer: Literal["adam", "sgd"] = "adam"
-    adam_beta1: float = _f(0.9, ge=0.0, lt=1.0)
-    adam_beta2: float = _f(0.999, ge=0.0, lt=1.0)
-    adam_eps: float = _f(1e-8, gt=0.0)
-    use_distributed_optimizer: bool = True  # Megatron-Core's optimizer-state sharding over DP (Adam only)
-    loss: LossKind = "grpo"  # grpo (= ppo: PPO surrogate on GRPO advantages), gspo, sapo, vespo
-    # VeRL's names; null: the loss's own as in VeRL (grpo, vespo: token-mean; gspo, sapo: seq-mean-token-mean)
-    loss_agg_mode: AggMode | None = None
-    eps_low: float = _f(0.2, ge=0.0, lt=1.0)  # decoupled clipping: ratio in [1 - eps_low, 1 + eps_high]
-    eps_high: float = _f(0.3, ge=0.0)
-    dual_clip_c: float = _f(3.0, gt=1.0)  # dual-clip bound for negative advantages; inf: off
-    use_tis: bool = True
-    tis_cap: float = _f(2.0, gt=0.0)  # truncated importance sampling cap C; inf: untruncated
-    gspo_eps_low: float = _f(3e-4, ge=0.0)
-    gspo_eps_high: float = _f(4e-4, ge=0.0)
-    sapo_tau_pos: float = _f(1.0, gt=0.0)
-    sapo_tau_neg: float = _f(1.05, gt=0.0)
-    vespo_c1_pos: float = _f(2.0, ge=0.0)  # VESPO's kernel W^c1 exp(c2 (1 - W)) for A >= 0
-    vespo_c2_pos: float = _f(3.0, gt=0.0)
-    vespo_c1_neg: float = _f(3.0, ge=0.0)  # and for A < 0
-    vespo_c2_neg: float = _f(2.0, gt=0.0)
-    adv_use_std: bool = True  # GRPO: divide advantages by the group std (false: Dr. GRPO)
-    tp: int = _f(1, ge=1)  # tensor parallel
-    pp: int = _f(1, ge=1)  # pipeline parallel
-    ep: int = _f(1, ge=1)  # expert parallel (carved out of tp*dp, as in Megatron-Core)
-    dp: int = _f(1, ge=1)  # data parallel; world size = tp * pp * cp * dp
-    cp: int = _f(1, ge=1)  # context parallel: every packed sequence split over cp ranks (dense models)
-    etp: int = _f(1, ge=1)  # expert tensor parallel: each expert's weights split over etp ranks (1: whole)
-    micro_batch_tokens: int = _f(4096, ge=1)  # packed tokens per micro-batch
-    replay_verify: bool = False  # MoE: replay the engine's routes when computing log-probs for verification
-    replay_train: bool = True  # MoE: routing replay (R3) for the old-log-prob recompute and the training step
-    recompute: Literal["none", "selective", "full"] = "none"  # activation recompute in the training backward
-    sequence_parallel: bool = False  # split the sequence over the TP group between layers (needs tp > 1)
-    logprob_chunk_tokens: int = _f(1024, ge=1)  # tokens whose [tokens x vocab/tp] logits exist at once
-    max_seq_len: int = _f(0, ge=0)  # most model inputs (prompt + response - 1) per sequence; 0: the model context
-    dist_timeout_s: float = _f(1800.0, gt=0.0)  # trainer collectives (gloo / NCCL) that wait longer fail
-    call_timeout_s: float = _f(3600.0, gt=0.0)  # a trainer rank silent for longer during a call fails it
-    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda where a GPU is visible, else cpu
-    # the colocated memory handoff: from each weight push to the next training phase the trainer's parameters,
-    # gradients and optimizer state leave the device (megatron_bridge.offload) while the servers hold theirs.
-    # null: on where the servers release their memory too (cluster.launcher ray, placement colocated), else off
-    offload_between_phases: bool | None = None
-
-    def offloads(self, launcher: str, placement: str) -> bool:
-        """Whether the trainer offloads between phases in this cluster layout (`offload_between_phases`)."""
-        if self.offload_between_phases is None:
-            return launcher == "ray" and placement == "colocated"
-        return self.offload_between_phases
-
-    @property
-    def loss_kind(self) -> str:
-        """The loss function `loss` names in `rollverify.losses` (grpo's surrogate is ppo's)."""
-        return "ppo" if self.loss == "grpo" else self.loss
-
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.pp * self.cp * self.dp
 
 
 @dataclass
@@ -178,14 +75,14 @@ class ClusterConfig:
     """Where the trainer ranks and servers run; `rollverify plan` places them, the launchers start them there."""
 
     launcher: Literal["local", "ray"] = "local"  # local: processes on this machine; ray: Ray actors on a cluster
-    nodes: int = _f(1, ge=1)
-    gpus_per_node: int = _f(0, ge=0)  # 0: CPU only
+    nodes: int = bounded(1, ge=1)
+    gpus_per_node: int = bounded(0, ge=0)  # 0: CPU only
     placement: Literal["colocated", "disaggregated"] = "colocated"  # colocated: rollout and training take turns
-    rollout_gpus: int = _f(0, ge=0)  # disaggregated: the last GPUs go to the servers, the rest to the trainer
-    gpu_memory_gib: float = _f(80.0, gt=0.0)  # per GPU, as `plan` budgets it
-    # --- ray launcher (rollverify.cluster) ---
+    rollout_gpus: int = bounded(0, ge=0)  # disaggregated: the last GPUs go to the servers, the rest to the trainer
+    gpu_memory_gib: float = bounded(80.0, gt=0.0)  # per GPU, as `plan` budgets it
+    # --- ray launcher (rollverify.app.cluster) ---
     address: str | None = None  # Ray cluster to join (auto, HEAD_IP:6379); null: RAY_ADDRESS, else a one-node Ray here
-    join_timeout_s: float = _f(120.0, gt=0.0)  # nodes, placement group and file checks that take longer fail
+    join_timeout_s: float = bounded(120.0, gt=0.0)  # nodes, placement group and file checks that take longer fail
     log_to_driver: bool = True  # actors' stdout/stderr (trainer ranks, server actors) echoed by the driver
 
     @property
@@ -195,16 +92,16 @@ class ClusterConfig:
 
 @dataclass
 class EvalConfig:
-    """Evaluation with the current policy (`rollverify.evaluate`): the task's held-out split, or named sets."""
+    """Evaluation with the current policy (`rollverify.app.evaluate`): the task's held-out split, or named sets."""
 
-    every: int = _f(10, ge=0)  # steps between evaluations (and at the last step); 0: never
-    n_prompts: int = _f(64, ge=1)  # prompts of the held-out split; sets are evaluated whole
+    every: int = bounded(10, ge=0)  # steps between evaluations (and at the last step); 0: never
+    n_prompts: int = bounded(64, ge=1)  # prompts of the held-out split; sets are evaluated whole
     # Benchmark files in the project's layout (tools/prepare_data.py), by name: {aime24: data/aime24.parquet,
     # math500: {path: data/math500.jsonl, prompt_key: problem, label_key: answer}}; empty: the held-out split
-    sets: dict[str, Any] = _f(factory=dict)
-    n_samples: int = _f(1, ge=1)  # k responses per prompt: eval/<set>/avg@k and pass@k
-    temperature: float = _f(1.0, gt=0.0)
-    max_new_tokens: int | None = _f(None, ge=1)  # null: rollout.max_new_tokens
+    sets: dict[str, Any] = bounded(factory=dict)
+    n_samples: int = bounded(1, ge=1)  # k responses per prompt: eval/<set>/avg@k and pass@k
+    temperature: float = bounded(1.0, gt=0.0)
+    max_new_tokens: int | None = bounded(None, ge=1)  # null: rollout.max_new_tokens
     solved_at: float = 1.0  # a response whose reward is >= this counts as solved for pass@k
 
 
@@ -218,8 +115,8 @@ class LogConfig:
     wandb_project: str = "rollverify"
     wandb_mode: Literal["offline", "online"] = "offline"
     run_name: str | None = None
-    checkpoint_every: int = _f(0, ge=0)  # steps between checkpoints (DIR/checkpoint); 0: never
-    export_every: int = _f(0, ge=0)  # steps between Hugging Face exports (DIR/hf/step_N); 0: none during the run
+    checkpoint_every: int = bounded(0, ge=0)  # steps between checkpoints (DIR/checkpoint); 0: never
+    export_every: int = bounded(0, ge=0)  # steps between Hugging Face exports (DIR/hf/step_N); 0: none during the run
     export_final: bool = True  # DIR/hf/step_N of the last step at the end of the run
 
 
@@ -291,16 +188,16 @@ class RunConfig:
         for key in raw:
             if key not in allowed:
                 raise ConfigError(
-                    f"unknown config section {key!r}{_suggest(key, allowed)}; allowed: {', '.join(allowed)}"
+                    f"unknown config section {key!r}{suggest(key, allowed)}; allowed: {', '.join(allowed)}"
                 )
         kw: dict[str, Any] = {}
         for name, cls_ in SECTIONS.items():
             section = raw.get(name) or {}
             if not isinstance(section, dict):
                 raise ConfigError(f"{name}: expected a mapping of settings, got {section!r}")
-            kw[name] = _build(cls_, section, name)
+            kw[name] = build(cls_, section, name)
         if "seed" in raw:
-            kw["seed"] = _coerce(raw["seed"], int, "seed")
+            kw["seed"] = coerce(raw["seed"], int, "seed")
             if kw["seed"] < 0:
                 raise ConfigError(f"seed: must be >= 0, got {kw['seed']}")
         cfg = cls(**kw)
@@ -334,7 +231,7 @@ class RunConfig:
                 "model.moe / model.tiny_overrides describe the tiny model; drop them with model.path"
             )
         if m.tiny_overrides:
-            from rollverify.tiny_model import TinyModelSpec
+            from rollverify.app.tiny_model import TinyModelSpec
 
             hints = typing.get_type_hints(TinyModelSpec)
             names = [f.name for f in fields(TinyModelSpec) if f.name not in ("moe", "seed", "task", "extra")]
@@ -343,20 +240,9 @@ class RunConfig:
                     raise ConfigError(
                         f"model.tiny_overrides.{k}: not a tiny-model setting; allowed: {', '.join(names)}"
                     )
-                m.tiny_overrides[k] = _coerce(v, hints[k], f"model.tiny_overrides.{k}")
-        if not r.endpoints and r.n_servers < 1:
-            raise ConfigError(
-                "rollout.n_servers: must be >= 1 unless rollout.endpoints lists running servers"
-            )
-        if r.max_live < r.n:
-            raise ConfigError(
-                f"rollout.max_live: must be >= rollout.n ({r.n}) so one group fits, got {r.max_live}"
-            )
-        if (t.tp * t.cp * t.dp) % (t.ep * t.etp):
-            span = "tp*dp" if t.cp == 1 else "tp*cp*dp"
-            what = "" if t.etp == 1 else f"ep*etp = {t.ep * t.etp} "
-            raise ConfigError(f"trainer.ep: {what}must divide {span} = {t.tp * t.cp * t.dp} (Megatron-Core), "
-                              f"got {t.ep}")
+                m.tiny_overrides[k] = coerce(v, hints[k], f"model.tiny_overrides.{k}")
+        r.check()  # each section its own rules, then the rules between sections
+        t.check()
         if t.ep > 1 and m.path is None and not m.moe:
             raise ConfigError("trainer.ep: expert parallelism needs an MoE model (model.moe: true)")
         if self.algo.verify_on == "engine" and r.temperature != 1.0:
@@ -369,13 +255,6 @@ class RunConfig:
                 "trainer.replay_verify: with algo.verify_on: engine the engines compute the new log-probs with free "
                 "routing; set trainer.replay_verify=false or algo.verify_on=trainer"
             )
-        if t.min_lr > t.lr:
-            raise ConfigError(f"trainer.min_lr: must be <= trainer.lr ({t.lr}), got {t.min_lr}")
-        if t.optimizer != "adam" and t.use_distributed_optimizer:
-            raise ConfigError(f"trainer.optimizer: Megatron-Core's distributed optimizer supports adam only, got "
-                              f"{t.optimizer!r}; set trainer.use_distributed_optimizer=false")
-        if t.sequence_parallel and t.tp == 1:
-            raise ConfigError("trainer.sequence_parallel: needs trainer.tp > 1 (it splits the sequence over TP)")
         if t.recompute != "none" and t.replay_train and m.path is None and m.moe:
             raise ConfigError(f"trainer.recompute: {t.recompute!r} with MoE routing replay is not supported (the "
                               "recomputed forward would route freely); set it to none or trainer.replay_train=false")
@@ -387,7 +266,7 @@ class RunConfig:
 
     def _check_cluster(self) -> None:
         """Cluster keys that contradict each other (what fits on the cluster is `rollverify plan`'s check)."""
-        from rollverify.plan import ARCH_PRESETS
+        from rollverify.app.presets import ARCH_PRESETS
 
         c, m = self.cluster, self.model
         if m.arch is not None:
@@ -395,7 +274,7 @@ class RunConfig:
                 raise ConfigError("model.arch: the tiny model's architecture comes from its spec; set model.path too")
             if isinstance(m.arch, str) and m.arch not in ARCH_PRESETS:
                 raise ConfigError(
-                    f"model.arch: unknown preset {m.arch!r}{_suggest(m.arch, list(ARCH_PRESETS))}; presets: "
+                    f"model.arch: unknown preset {m.arch!r}{suggest(m.arch, list(ARCH_PRESETS))}; presets: "
                     f"{', '.join(ARCH_PRESETS)}, or a mapping of the model's config.json fields"
                 )
         if c.launcher == "local" and c.nodes > 1:
@@ -423,9 +302,9 @@ class RunConfig:
     def _check_reward_and_eval(self, check_task: bool) -> None:
         """task.reward imports, the chat template the tokenizer must have, eval.sets' entries; with
         `check_task`, also the reward function and the sets' files (both are read, like the task's data)."""
-        from rollverify.evaluate import load_eval_sets, parse_eval_sets
         from rollverify.tasks.chat import has_chat_template
         from rollverify.tasks.reward import load_reward
+        from rollverify.tasks.sets import load_eval_sets, parse_eval_sets
 
         if self.task.reward is not None and check_task:
             try:
@@ -446,120 +325,6 @@ class RunConfig:
                 load_eval_sets(specs)
         except (ValueError, FileNotFoundError) as e:
             raise ConfigError(f"eval.sets: {e}") from None
-
-
-def _suggest(key: str, allowed: list[str]) -> str:
-    close = difflib.get_close_matches(key, allowed, n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def _describe(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return "one of " + ", ".join(map(str, typing.get_args(tp)))
-    if origin in (typing.Union, types.UnionType):
-        parts = [_describe(a) for a in typing.get_args(tp) if a is not type(None)]
-        return " or ".join(parts) + (" or null" if type(None) in typing.get_args(tp) else "")
-    if origin in (list, tuple):
-        return "a list"
-    if origin is dict or tp is dict:
-        return "a mapping"
-    return {bool: "true or false", int: "an integer", float: "a number (inf allowed)", str: "a string"}.get(
-        tp, str(tp)
-    )
-
-
-def _coerce(value: Any, tp: Any, key: str) -> Any:
-    """`value` as type `tp`, or a ConfigError naming `key` and what it accepts."""
-    origin = typing.get_origin(tp)
-    bad = ConfigError(f"{key}: expected {_describe(tp)}, got {value!r}")
-    if tp is Any:
-        return value
-    if origin is Literal:
-        if value in typing.get_args(tp) and not isinstance(value, bool):
-            return value
-        raise bad
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None:
-            if type(None) in args:
-                return None
-            raise bad
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _coerce(value, a, key)
-            except ConfigError:
-                pass
-        raise bad
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise bad
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        raise bad
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads 1e-6 and inf as strings
-            try:
-                return float(value.strip())
-            except ValueError:
-                raise bad from None
-        raise bad
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise bad
-    if origin in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            raise bad
-        (elem,) = typing.get_args(tp)[:1] or (Any,)
-        return [_coerce(v, elem, f"{key}[{i}]") for i, v in enumerate(value)]
-    if origin is dict or tp is dict:
-        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-            raise bad
-        return dict(value)
-    raise TypeError(f"config type {tp!r} of {key} is not supported")
-
-
-def _build(cls: type, raw: dict[str, Any], prefix: str) -> Any:
-    """An instance of the dataclass `cls` from `raw`, checking names, types and bounds."""
-    hints = typing.get_type_hints(cls)
-    flds = {f.name: f for f in fields(cls) if f.init}
-    kw = {}
-    for key, value in raw.items():
-        if key not in flds:
-            names = list(flds)
-            raise ConfigError(
-                f"unknown config key {prefix}.{key}{_suggest(key, names)}; allowed in {prefix}: {', '.join(names)}"
-            )
-        name = f"{prefix}.{key}"
-        v = _coerce(value, hints[key], name)
-        meta = flds[key].metadata
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            if math.isnan(v):
-                raise ConfigError(f"{name}: must be a number, got nan")
-            for op, bound, ok in (
-                (">=", meta.get("ge"), lambda a, b: a >= b),
-                (">", meta.get("gt"), lambda a, b: a > b),
-                ("<=", meta.get("le"), lambda a, b: a <= b),
-                ("<", meta.get("lt"), lambda a, b: a < b),
-            ):
-                if bound is not None and not ok(v, bound):
-                    raise ConfigError(f"{name}: must be {op} {bound}, got {v}")
-        kw[key] = v
-    try:
-        return cls(**kw)
-    except ConfigError:
-        raise
-    except (ValueError, TypeError) as e:  # AlgoConfig's own checks name the key already
-        raise ConfigError(str(e)) from None
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -593,8 +358,8 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...])
     return raw
 
 
-# The configs shipped with the package (in a checkout, a link to configs/ at its root).
-CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+# The configs shipped with the package: rollverify/configs (in a checkout, a link to configs/ at its root).
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
 
 def shipped_configs() -> list[str]:

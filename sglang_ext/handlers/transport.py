@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NoReturn
 
 from sglang_ext.dispatch import Handler, Reply
-from sglang_ext.ops.weights import check_tensor_specs
+from sglang_ext.handlers.weights import check_tensor_specs
 from sglang_ext.protocol import (
     DistributedBucketBody,
     ErrorCode,
@@ -51,7 +51,7 @@ class Stream:
     engine_s: float = 0.0
 
 
-class TransportOps:
+class TransportHandlers:
     def __init__(self, server: ControlServer):
         self.server = server
         self.records = server.records
@@ -72,7 +72,7 @@ class TransportOps:
             "memory": self.memory,
         }
 
-    # ------------------------------------------------------------------------------------- ops
+    # -------------------------------------------------------------------------------- handlers
 
     async def weights_group(self, body: WeightsGroupBody, msg: Message) -> Reply:
         """Join the trainer's weight-update group as ranks rank_offset .. rank_offset + tp - 1; answers once the

@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,63 +28,7 @@ import numpy as np
 
 from rollverify.interfaces import SamplingParams
 from rollverify.tasks.base import Example
-from rollverify.tasks.data import load_prompt_file
-
-HELDOUT = "heldout"
-_SET_KEYS = ("path", "prompt_key", "label_key", "uid_key")
-_SET_NAME = re.compile(r"[A-Za-z0-9_.\-]+")
-
-
-@dataclass(frozen=True)
-class EvalSetSpec:
-    """One entry of `eval.sets`: a prompt file and the columns to read (see `load_prompt_file`)."""
-
-    name: str
-    path: str
-    prompt_key: str = "prompt"
-    label_key: str = "auto"
-    uid_key: str | None = None
-
-
-@dataclass(frozen=True)
-class EvalSet:
-    name: str
-    examples: list[Example]
-
-
-def parse_eval_sets(raw: dict[str, Any]) -> list[EvalSetSpec]:
-    """`eval.sets` as specs: each value a file path or a mapping with `path` and optional column keys."""
-    specs = []
-    for name, value in raw.items():
-        if not _SET_NAME.fullmatch(name):
-            raise ValueError(f"set name {name!r}: use letters, digits, '_', '-' or '.' (it names metrics)")
-        if name == HELDOUT:
-            raise ValueError(f"set name {HELDOUT!r} is the task's held-out split; name the file otherwise")
-        if isinstance(value, str):
-            value = {"path": value}
-        if not isinstance(value, dict) or not isinstance(value.get("path"), str):
-            raise ValueError(f"{name}: expected a file path or a mapping with 'path', got {value!r}")
-        unknown = sorted(set(value) - set(_SET_KEYS))
-        if unknown:
-            raise ValueError(f"{name}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(_SET_KEYS)}")
-        bad = [k for k, v in value.items() if not (isinstance(v, str) or (k == "uid_key" and v is None))]
-        if bad:
-            raise ValueError(f"{name}.{bad[0]}: expected a string, got {value[bad[0]]!r}")
-        specs.append(EvalSetSpec(name=name, **value))
-    return specs
-
-
-def load_eval_sets(specs: Sequence[EvalSetSpec]) -> list[EvalSet]:
-    out = []
-    for s in specs:
-        try:
-            exs = load_prompt_file(
-                Path(s.path).expanduser(), prompt_key=s.prompt_key, label_key=s.label_key, uid_key=s.uid_key
-            )
-        except (ValueError, FileNotFoundError) as e:
-            raise type(e)(f"{s.name}: {e}") from None
-        out.append(EvalSet(s.name, exs))
-    return out
+from rollverify.tasks.sets import HELDOUT, EvalSet, load_eval_sets, parse_eval_sets
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -221,10 +163,10 @@ def evaluate_checkpoint(cfg: Any, model: str | Path, out: str | Path | None = No
     launched for it (or on `rollout.endpoints`, which first receive its weights)."""
     from transformers import AutoTokenizer
 
-    from rollverify.export import hf_weight_buckets
+    from rollverify.app.export import hf_weight_buckets
+    from rollverify.app.start import start_engine
     from rollverify.tasks import get_task
     from rollverify.tasks.reward import task_reward
-    from rollverify.train import start_engine
 
     model = Path(model)
     if out is not None and Path(out).exists():
@@ -248,7 +190,7 @@ def evaluate_checkpoint(cfg: Any, model: str | Path, out: str | Path | None = No
 
 
 def cli_main(argv: list[str] | None = None) -> int:
-    from rollverify.config import load_config
+    from rollverify.app.config import load_config
 
     p = argparse.ArgumentParser(
         prog="rollverify eval",

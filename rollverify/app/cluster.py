@@ -27,10 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rollverify.config import ConfigError, RunConfig
+from rollverify.app.config import ConfigError, RunConfig
 
 if TYPE_CHECKING:
-    from rollverify.plan import Plan
+    from rollverify.app.plan import Plan
 
 NOSET_CUDA = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
 

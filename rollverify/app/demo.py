@@ -18,10 +18,10 @@ import math
 import sys
 import time
 
-from rollverify import rundir
-from rollverify.config import load_config
-from rollverify.console import fmt, quiet_cpu_warnings, say, stage
-from rollverify.evaluate import format_interval
+from rollverify.app import rundir
+from rollverify.app.config import load_config
+from rollverify.app.console import fmt, quiet_cpu_warnings, say, stage
+from rollverify.app.evaluate import format_interval
 from rollverify.metrics import load_metrics, plot_comparison
 
 MODES = ("on_policy", "rollverify")
@@ -140,7 +140,8 @@ def cli_main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides applied to every run")
     a = p.parse_args(argv)
 
-    from rollverify.train import resolve_model, train
+    from rollverify.app.start import resolve_model
+    from rollverify.app.train import train
     from sglang_ext import cpu_compat
     from sglang_ext.launch import ServerStartError, launch_server
 

@@ -1,4 +1,4 @@
-"""Weight ops: update_weights (staged buckets, applied at the commit), update_weights_from_disk, flush.
+"""Weight handlers: update_weights (staged buckets, applied at the commit), update_weights_from_disk, flush.
 
 Each needs no generating responses. A weight update is checked in full against the served checkpoint (names,
 shapes, dtypes, finite values) before any of it reaches SGLang: a refused update leaves the old weights serving
@@ -62,7 +62,7 @@ class StagedUpdate:
         return sum(len(b) for b in self.buckets)
 
 
-class WeightOps:
+class WeightHandlers:
     def __init__(self, server: ControlServer):
         self.server = server
         self.records = server.records

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 UNTEMPERED = (0.0, 1.0)
 
 
-class LogprobOps:
+class LogprobHandlers:
     def __init__(self, server: ControlServer):
         self.server = server
         self.records = server.records

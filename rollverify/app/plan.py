@@ -33,48 +33,15 @@ import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from rollverify.config import ConfigError, RunConfig, load_config
+from rollverify.app.config import ConfigError, RunConfig, load_config
+from rollverify.app.presets import ARCH_PRESETS
 
 if TYPE_CHECKING:
     from megatron_bridge.model import ModelArch
 
 GiB = 1 << 30
-
-# Architectures stated as the fields of their Hugging Face config.json (checked against the published files and
-# slime's Megatron argument scripts), so `plan` can size the paper's models without their checkpoints.
-ARCH_PRESETS: dict[str, dict[str, Any]] = {
-    "qwen3-8b": {
-        "architectures": ["Qwen3ForCausalLM"],
-        "vocab_size": 151936,
-        "hidden_size": 4096,
-        "intermediate_size": 12288,
-        "num_hidden_layers": 36,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "max_position_embeddings": 32768,
-        "rope_theta": 1000000.0,
-        "tie_word_embeddings": False,
-    },
-    "qwen3-30b-a3b": {
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "vocab_size": 151936,
-        "hidden_size": 2048,
-        "intermediate_size": 6144,
-        "moe_intermediate_size": 768,
-        "num_experts": 128,
-        "num_experts_per_tok": 8,
-        "num_hidden_layers": 48,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 4,
-        "head_dim": 128,
-        "max_position_embeddings": 32768,
-        "rope_theta": 1000000.0,
-        "tie_word_embeddings": False,
-    },
-}
 
 # Per GPU and process, outside what the formulas count: CUDA context, cuBLAS/NCCL workspaces (an assumption,
 # not a measurement; no GPU path of this project has run).
@@ -93,7 +60,7 @@ def model_arch(cfg: RunConfig) -> ModelArch:
 
     m = cfg.model
     if m.path is None:
-        from rollverify.tiny_model import TinyModelSpec, hf_config
+        from rollverify.app.tiny_model import TinyModelSpec, hf_config
 
         spec = TinyModelSpec(**m.tiny_spec())
         arch_name = "Qwen3MoeForCausalLM" if spec.moe else "Qwen3ForCausalLM"
@@ -248,7 +215,10 @@ def selective_freed_bytes(a: ModelArch, lay: TrainerLayout) -> int:
 
 
 @dataclass(frozen=True)
-class TrainerMemory:
+class TrainerEstimate:
+    """The plan's per-GPU estimate of a trainer rank's memory, in bytes (the offload manager of a running rank is
+    megatron_bridge.offload.TrainerMemory)."""
+
     weights: int
     gradients: int
     optimizer: int
@@ -261,7 +231,7 @@ class TrainerMemory:
         return self.weights + self.gradients + self.optimizer + self.activations + self.logits
 
 
-def trainer_memory(a: ModelArch, lay: TrainerLayout, context: int) -> TrainerMemory:
+def trainer_memory(a: ModelArch, lay: TrainerLayout, context: int) -> TrainerEstimate:
     """Per-GPU bytes of the fullest pipeline stage (see the module docstring)."""
     stages = [stage_params(a, lay, s) for s in range(lay.pp)]
     p = max(stages, key=lambda c: c.total)
@@ -277,7 +247,7 @@ def trainer_memory(a: ModelArch, lay: TrainerLayout, context: int) -> TrainerMem
         acts = tokens * a.num_layers * per_layer
     # final hidden states (bf16, TP-replicated) + one chunk of logits: bf16 product, fp32 copy, exp, gradient
     logits = tokens * 2 * a.hidden_size + min(tokens, lay.logprob_chunk_tokens) * (a.vocab_size // lay.tp) * 14
-    return TrainerMemory(
+    return TrainerEstimate(
         weights=2 * p.total,
         gradients=4 * p.total,
         optimizer=12 * p.dense // (lay.dp * lay.cp) + 12 * p.expert // expert_dp,
@@ -322,7 +292,7 @@ class Plan:
     gpus_per_server: int
     ranks: list[tuple[int, int | None]]  # rank -> (node, local GPU or None on CPU)
     servers: list[Server]
-    trainer: TrainerMemory
+    trainer: TrainerEstimate
     server: ServerMemory
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # observations that do not stop the run

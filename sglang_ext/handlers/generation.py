@@ -1,4 +1,4 @@
-"""Generation ops: submit, pause, resume, truncate, drop (commands) and events, fetch (queries)."""
+"""Generation handlers: submit, pause, resume, truncate, drop (commands) and events, fetch (queries)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,13 @@ import time
 from typing import TYPE_CHECKING
 
 from sglang_ext.dispatch import Handler, Reply
-from sglang_ext.ops.submit import build_records, check_budgets, check_ids_unused, check_token_ids, read_arrays
+from sglang_ext.handlers.submit import (
+    build_records,
+    check_budgets,
+    check_ids_unused,
+    check_token_ids,
+    read_arrays,
+)
 from sglang_ext.protocol import (
     DropBody,
     ErrorCode,
@@ -26,7 +32,7 @@ if TYPE_CHECKING:
     from sglang_ext.server import ControlServer
 
 
-class GenerationOps:
+class GenerationHandlers:
     def __init__(self, server: ControlServer):
         self.server = server
         self.records = server.records

@@ -1,4 +1,4 @@
-"""Admin ops: stats, weights, health (queries) and shutdown (a command)."""
+"""Admin handlers: stats, weights, health (queries) and shutdown (a command)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from sglang_ext.server import ControlServer
 
 
-class AdminOps:
+class AdminHandlers:
     def __init__(self, server: ControlServer):
         self.server = server
         self.records = server.records

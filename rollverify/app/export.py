@@ -26,7 +26,7 @@ def export_dir(run_dir: str | Path, step: int) -> Path:
 
 
 def export_trainer(trainer: Any, model_path: str | Path, out: str | Path) -> Path:
-    """Write the trainer's current policy (a MegatronTrainer or SpawnedTrainer) as an HF folder at `out`
+    """Write the trainer's current policy (a MegatronTrainer, TrainerProxy or LoopTrainer) as an HF folder at `out`
     (replacing an earlier export there); `model_path` is the checkpoint the run started from."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -68,13 +68,14 @@ def hf_weight_buckets(model_dir: str | Path, bucket_bytes: int = 64 << 20) -> It
 
 def find_checkpoint(path: str | Path) -> Path:
     """The `checkpoint/` folder of a run directory (or that folder itself); a clear error when there is none."""
-    from rollverify.train import CKPT
+    from megatron_bridge.checkpoint import META_FILE  # the trainer wing names its checkpoint's files
+    from rollverify.app.rundir import CHECKPOINT
 
     p = Path(path)
-    ckpt = p / CKPT if (p / CKPT).is_dir() else p
-    if not (ckpt / "trainer" / "rollverify_trainer.json").is_file():
+    ckpt = p / CHECKPOINT if (p / CHECKPOINT).is_dir() else p
+    if not (ckpt / "trainer" / META_FILE).is_file():
         raise FileNotFoundError(
-            f"--checkpoint {p}: no {CKPT}/trainer/rollverify_trainer.json there; give a run directory trained "
+            f"--checkpoint {p}: no {CHECKPOINT}/trainer/{META_FILE} there; give a run directory trained "
             "with log.checkpoint_every > 0 (or its checkpoint/ folder)"
         )
     if not (ckpt.parent / "config.json").is_file():
@@ -92,13 +93,15 @@ def check_new_folder(out: str | Path) -> Path:
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
     """Load a run's trainer checkpoint into a trainer of the same layout and export it to `out` (new or empty)."""
-    from rollverify.config import RunConfig
-    from rollverify.train import resolve_model, start_trainer
+    from rollverify.app.config import RunConfig
+    from rollverify.app.start import resolve_model, start_trainer
 
     ckpt = find_checkpoint(checkpoint)
     out = check_new_folder(out)
     cfg = RunConfig.from_dict(json.loads((ckpt.parent / "config.json").read_text()), check_task=False)
-    meta = json.loads((ckpt / "trainer" / "rollverify_trainer.json").read_text())
+    from megatron_bridge.checkpoint import read_meta
+
+    meta = read_meta(ckpt / "trainer")
     model_path = Path(meta["model_path"]) if Path(meta["model_path"]).is_dir() else resolve_model(cfg)
     trainer = start_trainer(cfg, model_path, world_size=int(meta["world_size"]))
     try:

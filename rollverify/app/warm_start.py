@@ -8,13 +8,12 @@ Everything is deterministic for a seed: data order, optimiser, sampling (run sin
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hashlib
 import math
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,7 +36,7 @@ class WarmStartRecipe:
 
 # Per-task recipes: the warm-started default tiny model (hidden 64, 2 layers) samples a reward of ~0.4 at
 # temperature 1 on the eval split (greedy ~0.5; 300 steps give ~0.27, 400 ~0.5), in about a minute on one idle
-# core; countdown_short with the same recipe ~0.32 (T=1), ~0.40 (greedy). `python -m rollverify.warm_start`
+# core; countdown_short with the same recipe ~0.32 (T=1), ~0.40 (greedy). `python tools/warm_start_report.py`
 # measures them.
 RECIPES: dict[str, WarmStartRecipe] = {
     "countdown": WarmStartRecipe(),
@@ -221,7 +220,7 @@ def recipe_fingerprint(task_name: str) -> str:
 
 def warm_start(model, tokenizer, spec) -> Any:
     """Hook of `make_tiny_model`: warm-start `model` on `spec.task` with that task's recipe and `spec.seed`."""
-    from rollverify.console import say, stage
+    from rollverify.app.console import say, stage
 
     task = get_task(spec.task)
     recipe = RECIPES.get(spec.task, WarmStartRecipe())
@@ -230,48 +229,3 @@ def warm_start(model, tokenizer, spec) -> Any:
         res = supervised_warm_start(model, tokenizer, task, recipe, seed=spec.seed)
         st.detail = f"{spec.task}, {res.steps} steps, final loss {res.final_loss:.3f}"
     return model
-
-
-def cli_main(argv: list[str] | None = None) -> int:
-    """Measure base vs warm-started sampled reward on the eval split (for tuning recipes and reports)."""
-    from rollverify.tiny_model import TinyModelSpec, build_tokenizer, untrained_model
-
-    p = argparse.ArgumentParser(prog="python -m rollverify.warm_start", description=cli_main.__doc__)
-    p.add_argument("--task", default="countdown")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=None, help="override the recipe's step count")
-    p.add_argument("--lr", type=float, default=None)
-    p.add_argument("--batch-size", type=int, default=None)
-    p.add_argument("--eval-n", type=int, default=256)
-    p.add_argument("--hidden", type=int, default=None)
-    p.add_argument("--layers", type=int, default=None)
-    p.add_argument("--intermediate", type=int, default=None)
-    a = p.parse_args(argv)
-    spec = TinyModelSpec(task=a.task, seed=a.seed)
-    if a.hidden:
-        spec = replace(spec, hidden_size=a.hidden, head_dim=a.hidden // spec.num_heads)
-    if a.layers:
-        spec = replace(spec, num_layers=a.layers)
-    if a.intermediate:
-        spec = replace(spec, intermediate_size=a.intermediate)
-    recipe = RECIPES.get(a.task, WarmStartRecipe())
-    over = {k: v for k, v in dict(steps=a.steps, lr=a.lr, batch_size=a.batch_size).items() if v is not None}
-    recipe = replace(recipe, **over)
-    task, tok = get_task(a.task), build_tokenizer(spec.vocab_size)
-    model = untrained_model(spec)
-    evals = task.examples("eval", a.eval_n, seed=0)
-    t = time.perf_counter()
-    base = evaluate_reward(model, tok, task, evals, seed=1)
-    print(f"base reward (T=1, {len(evals)} eval prompts): {base:.3f} ({time.perf_counter() - t:.1f}s)")
-    res = supervised_warm_start(model, tok, task, recipe, seed=a.seed, log_every=50)
-    print(f"warm start: {recipe} -> loss {res.final_loss:.4f} in {res.seconds:.1f}s")
-    for temp in (1.0, 0.0):
-        t = time.perf_counter()
-        r = evaluate_reward(model, tok, task, evals, seed=1, temperature=temp)
-        print(f"warm reward (T={temp:g}): {r:.3f} ({time.perf_counter() - t:.1f}s)")
-    print(f"weights digest {weights_digest(model)}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(cli_main())

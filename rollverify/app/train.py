@@ -1,9 +1,9 @@
 """`rollverify train`: the entry point that wires the loop to real SGLang servers and a Megatron-Core trainer.
 
 It reads the config, starts (or connects to) the servers and the trainer, runs `Loop.run_step` for the
-configured steps with evaluation, metrics and checkpoints, and shuts everything down. As an entry point it may
-import `sglang_ext` and `megatron_bridge` (DESIGN.md's dependency rule), lazily, inside functions:
-`start_engine` and `start_trainer` are how `rollverify eval` and `rollverify export` build theirs too.
+configured steps with evaluation, metrics and checkpoints, and shuts everything down. The wings are imported
+inside functions, so that `rollverify --help` and the config checks start fast: `start_engine` and
+`start_trainer` are how `rollverify eval` and `rollverify export` build theirs too.
 """
 
 from __future__ import annotations
@@ -15,13 +15,14 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from rollverify import rundir
+from rollverify.app import rundir
+from rollverify.app.config import RunConfig, load_config
+from rollverify.app.console import Progress, quiet_cpu_warnings, say, stage
+from rollverify.app.evaluate import build_evaluator
+from rollverify.app.export import export_dir, export_trainer
+from rollverify.app.start import resolve_model, start_engine, start_trainer
 from rollverify.buffer import RolloutBuffer
-from rollverify.config import RunConfig, load_config
-from rollverify.console import Progress, quiet_cpu_warnings, say, stage
-from rollverify.evaluate import build_evaluator
-from rollverify.export import export_dir, export_trainer
-from rollverify.loop import Loop, LoopConfig
+from rollverify.loop import Loop
 from rollverify.metrics import MetricsWriter
 from rollverify.tasks import get_task
 from rollverify.tasks.chat import PromptRenderer
@@ -29,62 +30,6 @@ from rollverify.tasks.reward import task_reward
 from rollverify.types import Group, Response
 
 CKPT = rundir.CHECKPOINT
-
-
-def resolve_model(cfg: RunConfig) -> Path:
-    """A local checkpoint folder, or the cached tiny model (warm-started on the task) of the CPU default."""
-    if cfg.model.path:
-        cfg.check_paths()
-        return Path(cfg.model.path).expanduser()
-    from rollverify.tiny_model import TinyModelSpec, ensure_tiny_model
-
-    with stage("tiny model") as st:
-        path = ensure_tiny_model(TinyModelSpec(**cfg.model.tiny_spec()))
-        st.detail = str(path)
-    return path
-
-
-def start_trainer(cfg: RunConfig, model_path: Path, world_size: int | None = None):
-    """The Megatron trainer of `cfg` on `model_path` (`world_size` ranks, default `trainer.world_size`): a
-    `MegatronTrainer` in this process at world size 1, else a `SpawnedTrainer` (`rollverify train`, `export`)."""
-    from megatron_bridge.spawned import make_trainer
-
-    ranks = cfg.trainer.world_size if world_size is None else world_size
-    return make_trainer(model_path, cfg.trainer, world_size=ranks, dtype=cfg.model.dtype, seed=cfg.seed)
-
-
-def start_engine(cfg: RunConfig, model_path: Path, log_dir: Path):
-    """The rollout engine: `rollout.endpoints` (cleared; the caller pushes its weights) or `rollout.n_servers`
-    servers launched on `model_path`, logging to `log_dir`/server<i>.log (`rollverify train` and `eval`)."""
-    from sglang_ext import cpu_compat
-    from sglang_ext.launch import launch_server
-    from sglang_ext.rollout_engine import SGLangRolloutEngine
-
-    r = cfg.rollout
-    if r.endpoints:  # servers someone else runs: clear them
-        with stage("servers") as st:
-            engine = SGLangRolloutEngine(r.endpoints, timeout_s=r.server_timeout_s)
-            engine.reset()
-            st.detail = f"connected to {', '.join(r.endpoints)}"
-        return engine
-    cpu_compat.activate()
-
-    def launch(i: int):
-        return launch_server(model_path, engine_args=dict(r.engine_args), log_path=log_dir / f"server{i}.log")
-
-    servers = []
-    try:
-        for i in range(r.n_servers):
-            with stage("server" if r.n_servers == 1 else f"server {i}") as st:
-                servers.append(launch(i))
-                st.detail = f"SGLang at {servers[-1].endpoint} (log: {log_dir / f'server{i}.log'})"
-    except BaseException:
-        for s in servers:
-            s.stop()
-        raise
-    return SGLangRolloutEngine(
-        [s.endpoint for s in servers], processes=servers, relaunch=launch, timeout_s=r.server_timeout_s
-    )
 
 
 class Run:
@@ -100,7 +45,7 @@ class Run:
         self.render = PromptRenderer(self.tokenizer, getattr(self.task, "chat_template", "auto"), source=self.model_path)
         self.score = task_reward(self.task, cfg.task.reward)
         self.evaluator = build_evaluator(cfg, self.task, self.tokenizer, self.score) if cfg.eval.every else None
-        self.cluster = None  # rollverify.cluster.RayCluster with cluster.launcher: ray
+        self.cluster = None  # rollverify.app.cluster.RayCluster with cluster.launcher: ray
         self.engine = self._start_engine()
         try:
             with stage("trainer") as st:
@@ -108,7 +53,7 @@ class Run:
                 st.detail = f"Megatron-Core, world size {cfg.trainer.world_size}"
             # a restarted server gets the current policy through this process (the local launcher; a cluster
             # run's transport takes over below)
-            self.engine.weight_source = self.trainer.export_weights
+            self.engine.restart_weights(source=self.trainer.export_weights)
             if cfg.rollout.endpoints:
                 self.engine.update_weights(self.trainer.export_weights(), 0)
         except BaseException:
@@ -121,17 +66,9 @@ class Run:
         self._stream = self.task.stream("train", seed=cfg.seed)
         weights = self._weight_sync()
         if weights is not None:  # a restarted server gets the current policy through the run's transport
-            self.engine.restore_weights = weights.restore
-        r = cfg.rollout
+            self.engine.restart_weights(restore=weights.restore)
         self.loop = Loop(
-            LoopConfig(
-                batch_groups=r.batch_groups,
-                n=r.n,
-                max_new_tokens=r.max_new_tokens,
-                temperature=r.temperature,
-                max_live=r.max_live,
-                use_std=cfg.trainer.adv_use_std,
-            ),
+            cfg.rollout,
             cfg.algo,
             self.engine,
             self.trainer,
@@ -144,9 +81,9 @@ class Run:
 
     def _start_engine(self):
         if self.cfg.cluster.launcher == "ray":  # trainer ranks and servers as actors of one placement group
-            from rollverify.cluster import RayCluster, files_read
-            from rollverify.plan import check as check_plan
-            from sglang_ext.ray_server import start_ray_engine
+            from rollverify.app.cluster import RayCluster, files_read
+            from rollverify.app.plan import check as check_plan
+            from rollverify.app.ray_placement import start_ray_engine
 
             with stage("ray cluster") as st:
                 self.cluster = RayCluster.start(check_plan(self.cfg), files_read(self.cfg, self.model_path))
@@ -165,16 +102,17 @@ class Run:
         from megatron_bridge.loop_adapter import LoopTrainer
 
         if self.cluster is not None:
-            from megatron_bridge.ray_trainer import RayTrainer
+            from rollverify.app.ray_placement import start_ray_trainer
 
-            return LoopTrainer(RayTrainer(self.model_path, self.cfg.trainer, self.cluster, dtype=self.cfg.model.dtype,
-                                          seed=self.cfg.seed))
+            return LoopTrainer(start_ray_trainer(self.model_path, self.cfg.trainer, self.cluster,
+                                                 dtype=self.cfg.model.dtype, seed=self.cfg.seed,
+                                                 setup=quiet_cpu_warnings))
         return LoopTrainer(start_trainer(self.cfg, self.model_path))
 
     def _weight_sync(self):
         """The transport of the cluster layout (the local launcher: None, the loop's in-memory buckets); the
         trainer offloads between phases where `trainer.offload_between_phases` says (a colocated Ray run)."""
-        from sglang_ext.weight_transport import weight_sync_for
+        from rollverify.app.weight_transport import weight_sync_for
 
         c = self.cfg.cluster
         tp = int(self.cfg.rollout.engine_args.get("tp_size", 1))
@@ -207,7 +145,7 @@ class Run:
 
     def export(self) -> Path:
         """The current policy as a Hugging Face folder DIR/hf/step_N."""
-        return export_trainer(self.trainer.trainer, self.model_path, export_dir(self.out, self.loop.step))
+        return export_trainer(self.trainer, self.model_path, export_dir(self.out, self.loop.step))
 
     # --- checkpoints --------------------------------------------------------------------------------------
 
@@ -235,9 +173,7 @@ class Run:
 
     def close(self) -> None:
         try:
-            close = getattr(self.trainer.trainer, "close", None)
-            if close:
-                close()
+            self.trainer.close()
         finally:
             try:
                 self.engine.close(shutdown=not self.cfg.rollout.endpoints)
@@ -256,10 +192,10 @@ def train(
     """Run `cfg.trainer.steps` steps into `out`; returns the summary. `progress`: a bar on a terminal (or as
     `bar` says), else one line per step.
 
-    Before anything starts or is written, a config that does not fit its cluster (`rollverify.plan.check`)
+    Before anything starts or is written, a config that does not fit its cluster (`rollverify.app.plan.check`)
     raises PlanError, and a run folder or input file that is not usable a RunFolderError / ConfigError naming
     what is wrong."""
-    from rollverify.plan import check as check_plan
+    from rollverify.app.plan import check as check_plan
 
     check_plan(cfg)
     cfg.check_paths()
@@ -349,7 +285,7 @@ def cli_main(argv: list[str] | None = None) -> int:
         cfg.check_paths()
         if not a.overwrite:  # cheap, so first; with --overwrite, train() checks the folder and then clears it
             rundir.claim(out, resume=a.resume)
-        from rollverify.plan import check as check_plan
+        from rollverify.app.plan import check as check_plan
 
         check_plan(cfg)  # what `rollverify plan` refuses stops here (train() checks again for API callers)
         summary = train(cfg, out, a.resume, progress=not a.no_progress, overwrite=a.overwrite)

@@ -7,12 +7,14 @@ byte-identical files, so one cached copy serves every test session and the demo.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import hashlib
 import json
 import os
 import shutil
 import string
+import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -42,14 +44,14 @@ class TinyModelSpec:
     top_k: int = 2
     moe_intermediate_size: int = 64
     seed: int = 0
-    task: str | None = None  # supervised warm start on a synthetic task (added by the loop issue)
+    task: str | None = None  # the synthetic task it is warm-started on (None: left as initialised)
     extra: dict = field(default_factory=dict)
 
     def digest(self) -> str:
         """Names the cache entry; a warm-started model also hashes its recipe, so a new recipe remakes it."""
         blob = json.dumps(asdict(self), sort_keys=True)
         if self.task is not None:
-            from rollverify.warm_start import recipe_fingerprint
+            from rollverify.app.warm_start import recipe_fingerprint
 
             blob += recipe_fingerprint(self.task)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -172,7 +174,7 @@ def make_tiny_model(out: str | os.PathLike, spec: TinyModelSpec, force: bool = F
     try:
         model = untrained_model(spec)
         if spec.task is not None:
-            from rollverify.warm_start import warm_start  # supervised warm start on a synthetic task
+            from rollverify.app.warm_start import warm_start  # supervised warm start on a synthetic task
 
             model = warm_start(model, build_tokenizer(spec.vocab_size), spec)
         with _no_progress_bars():  # a one-shard bar ("Writing model shards") says nothing
@@ -209,3 +211,37 @@ def ensure_tiny_model(spec: TinyModelSpec | None = None, **overrides) -> Path:
     with open(root / f".{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         return make_tiny_model(root / name, spec)
+
+
+def cli_main(argv: list[str] | None = None) -> int:
+    """`rollverify make-tiny-model`."""
+    p = argparse.ArgumentParser(
+        prog="rollverify make-tiny-model",
+        description="Write a tiny Qwen3 (or Qwen3-MoE) model and its tokenizer in Hugging Face format, made "
+        "offline from a seed: the same options give the same files. `rollverify train` and the tests make and "
+        "cache these themselves; use this to get one as a folder (e.g. for `rollverify serve`).",
+    )
+    p.add_argument("--out", required=True, help="folder to write: new, empty, or an earlier tiny model")
+    p.add_argument("--moe", action="store_true", help="Qwen3-MoE (8 experts, top-2) instead of dense Qwen3")
+    p.add_argument("--seed", type=int, default=0, help="initialisation seed (default 0)")
+    p.add_argument("--tied", action="store_true", help="tie the input and output embeddings")
+    p.add_argument(
+        "--task", default=None, help="warm-start it on this synthetic task first (countdown: about a minute)"
+    )
+    p.add_argument("--force", action="store_true", help="rewrite a tiny model already in --out")
+    a = p.parse_args(argv)
+    spec = TinyModelSpec(moe=a.moe, seed=a.seed, tie_word_embeddings=a.tied, task=a.task)
+    try:
+        if a.task is not None:
+            from rollverify.tasks import synthetic_task_names
+
+            if a.task not in synthetic_task_names():
+                raise ValueError(
+                    f"--task {a.task!r}: not a synthetic task; choose one of {', '.join(synthetic_task_names())}"
+                )
+        out = make_tiny_model(a.out, spec, force=a.force)
+    except (FileExistsError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"tiny {'Qwen3-MoE' if a.moe else 'Qwen3'} model ({spec.digest()}) at {out}")
+    return 0

@@ -1,0 +1,99 @@
+"""`TrainerProxy`: `MegatronTrainer`'s methods in the driver over a `RankGroup`, the trainer's N ranks elsewhere.
+
+The driver never imports Megatron-Core. A rank group runs each call on every rank and returns rank 0's answer;
+weight streams that rank 0 produces (`sync_weights`, the HF export) reach the driver's sink while the call runs.
+Two groups exist: `megatron_bridge.spawned.PipeRanks` (child processes on this machine, over pipes) and
+`megatron_bridge.ray_trainer.RayRanks` (Ray actors, over actor calls); the proxy is the same over both. Any
+rank's exception is raised in the driver naming the rank; a rank that dies or stalls past the group's timeout
+fails the call instead of hanging it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import torch
+
+from megatron_bridge.weight_sync import CallableSink, InMemorySink, WeightSink
+
+STREAMS = ("sync_weights", "iter_hf_tensors")  # the calls whose rank 0 streams weight buckets to the sink
+
+
+class RankGroup(Protocol):
+    """The trainer's ranks: `call` runs `method(*args, **kwargs)` on every rank (`megatron_bridge.spawned.run_call`)
+    and returns rank 0's result; a call in `STREAMS` feeds rank 0's weight buckets to `sink` (begin/push/end)."""
+
+    world_size: int
+
+    def call(self, method: str, args: tuple, kwargs: dict, sink: WeightSink | None = None) -> Any: ...
+
+    def close(self, force: bool = False) -> None: ...
+
+
+class TrainerProxy:
+    """`MegatronTrainer` over a rank group (same methods, same results as rank 0's)."""
+
+    def __init__(self, ranks: RankGroup) -> None:
+        self.ranks = ranks
+
+    @property
+    def world_size(self) -> int:
+        return self.ranks.world_size
+
+    def _call(self, method: str, *args, _sink: WeightSink | None = None, **kwargs) -> Any:
+        return self.ranks.call(method, args, kwargs, _sink)
+
+    def compute_logprobs(self, batch, *, replay: bool | None = None, temperature: float = 1.0):
+        return self._call("compute_logprobs", list(batch), replay=replay, temperature=temperature)
+
+    def train_step(self, batch, *, temperature: float = 1.0, policy_version: int | None = None) -> dict[str, float]:
+        return self._call("train_step", list(batch), temperature=temperature, policy_version=policy_version)
+
+    def loss_on(self, batch, old_logprobs, *, temperature: float = 1.0) -> dict[str, float]:
+        return self._call("loss_on", list(batch), old_logprobs, temperature=temperature)
+
+    def sync_weights(self, sink, version: int | None = None, bucket_bytes: int = 64 << 20,
+                     dtype: torch.dtype | None = None) -> dict[str, float]:
+        if not isinstance(sink, WeightSink):
+            sink = CallableSink(sink)
+        return self._call("sync_weights", version, bucket_bytes, dtype, _sink=sink)
+
+    def send_weights(self, spec, version: int | None = None, bucket_bytes: int = 64 << 20,
+                     dtype: torch.dtype | None = None) -> dict[str, float]:
+        """The ranks stream the weights to the servers themselves (`MegatronTrainer.send_weights`)."""
+        return self._call("send_weights", spec, version, bucket_bytes, dtype)
+
+    def offload(self, kinds: tuple[str, ...] = ("params", "grads", "optimizer")) -> dict[str, float]:
+        """Every rank releases the device memory of `kinds` (`MegatronTrainer.offload`); rank 0's bytes."""
+        return self._call("offload", tuple(kinds))
+
+    def reload(self, kinds: tuple[str, ...] | None = None) -> dict[str, float]:
+        """Every rank brings back what `offload` released (`MegatronTrainer.reload`)."""
+        return self._call("reload", kinds)
+
+    def iter_hf_tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Materialises the export in the driver, then yields it (the ranks stream it bucket by bucket)."""
+        return iter(self.export_hf_state(dtype=dtype).items())
+
+    def export_hf_state(self, out_dir=None, dtype: torch.dtype | None = None):
+        if out_dir is not None:
+            return self._call("export_hf_state", str(out_dir), dtype)
+        sink = InMemorySink()
+        self._call("iter_hf_tensors", _sink=sink, dtype=dtype)
+        return sink.state
+
+    def save_checkpoint(self, ckpt_dir) -> Any:
+        return self._call("save_checkpoint", str(ckpt_dir))
+
+    def load_checkpoint(self, ckpt_dir) -> None:
+        return self._call("load_checkpoint", str(ckpt_dir))
+
+    def close(self, force: bool = False) -> None:
+        self.ranks.close(force)
+
+    def __enter__(self) -> TrainerProxy:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

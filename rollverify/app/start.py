@@ -1,0 +1,69 @@
+"""How the application starts the two wings for a run, an evaluation or an export: the policy's checkpoint
+(`resolve_model`), the Megatron trainer (`start_trainer`) and the SGLang rollout engine (`start_engine`) of the
+local launcher (the Ray launcher's are rollverify.app.ray_placement's). The wings are imported inside the
+functions, so that the command line starts fast."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rollverify.app.config import RunConfig
+from rollverify.app.console import quiet_cpu_warnings, stage
+
+
+def resolve_model(cfg: RunConfig) -> Path:
+    """A local checkpoint folder, or the cached tiny model (warm-started on the task) of the CPU default."""
+    if cfg.model.path:
+        cfg.check_paths()
+        return Path(cfg.model.path).expanduser()
+    from rollverify.app.tiny_model import TinyModelSpec, ensure_tiny_model
+
+    with stage("tiny model") as st:
+        path = ensure_tiny_model(TinyModelSpec(**cfg.model.tiny_spec()))
+        st.detail = str(path)
+    return path
+
+
+def start_trainer(cfg: RunConfig, model_path: Path, world_size: int | None = None):
+    """The Megatron trainer of `cfg` on `model_path` (`world_size` ranks, default `trainer.world_size`): a
+    `MegatronTrainer` in this process at world size 1, else a `TrainerProxy` over child-process ranks
+    (`rollverify train`, `export`)."""
+    from megatron_bridge.spawned import make_trainer
+
+    ranks = cfg.trainer.world_size if world_size is None else world_size
+    return make_trainer(model_path, cfg.trainer, world_size=ranks, dtype=cfg.model.dtype, seed=cfg.seed,
+                        setup=quiet_cpu_warnings)
+
+
+def start_engine(cfg: RunConfig, model_path: Path, log_dir: Path):
+    """The rollout engine: `rollout.endpoints` (cleared; the caller pushes its weights) or `rollout.n_servers`
+    servers launched on `model_path`, logging to `log_dir`/server<i>.log (`rollverify train` and `eval`)."""
+    from sglang_ext import cpu_compat
+    from sglang_ext.launch import launch_server
+    from sglang_ext.rollout_engine import SGLangRolloutEngine
+
+    r = cfg.rollout
+    if r.endpoints:  # servers someone else runs: clear them
+        with stage("servers") as st:
+            engine = SGLangRolloutEngine(r.endpoints, timeout_s=r.server_timeout_s)
+            engine.reset()
+            st.detail = f"connected to {', '.join(r.endpoints)}"
+        return engine
+    cpu_compat.activate()
+
+    def launch(i: int):
+        return launch_server(model_path, engine_args=dict(r.engine_args), log_path=log_dir / f"server{i}.log")
+
+    servers = []
+    try:
+        for i in range(r.n_servers):
+            with stage("server" if r.n_servers == 1 else f"server {i}") as st:
+                servers.append(launch(i))
+                st.detail = f"SGLang at {servers[-1].endpoint} (log: {log_dir / f'server{i}.log'})"
+    except BaseException:
+        for s in servers:
+            s.stop()
+        raise
+    return SGLangRolloutEngine(
+        [s.endpoint for s in servers], processes=servers, relaunch=launch, timeout_s=r.server_timeout_s
+    )

@@ -1,0 +1,147 @@
+"""Config sections: dataclasses whose fields carry their bounds, built from raw YAML values with every key,
+type and bound checked.
+
+Each section belongs to the code that reads it (the loop's `rollverify.loop.RolloutConfig`, the strategies'
+`rollverify.strategies.AlgoConfig`, the trainer wing's `megatron_bridge.config.TrainerConfig`, the
+application's own); the application's run config (`rollverify.app.config.RunConfig`) composes them. A bad key
+or value is a `ConfigError` naming the key and what it allows; a section's own cross-field rules are its
+`check()`, which raises `ConfigError` too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from dataclasses import field, fields
+from typing import Any, Literal
+
+
+class ConfigError(ValueError):
+    """A bad config key or value; the message names the key and what is allowed."""
+
+
+def bounded(default: Any = dataclasses.MISSING, *, ge=None, gt=None, le=None, lt=None, factory=None) -> Any:
+    """A dataclass field with numeric bounds checked by `build`."""
+    meta = {k: v for k, v in dict(ge=ge, gt=gt, le=le, lt=lt).items() if v is not None}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+
+
+def suggest(key: str, allowed: list[str]) -> str:
+    close = difflib.get_close_matches(key, allowed, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(map(str, typing.get_args(tp)))
+    if origin in (typing.Union, types.UnionType):
+        parts = [describe(a) for a in typing.get_args(tp) if a is not type(None)]
+        return " or ".join(parts) + (" or null" if type(None) in typing.get_args(tp) else "")
+    if origin in (list, tuple):
+        return "a list"
+    if origin is dict or tp is dict:
+        return "a mapping"
+    return {bool: "true or false", int: "an integer", float: "a number (inf allowed)", str: "a string"}.get(
+        tp, str(tp)
+    )
+
+
+def coerce(value: Any, tp: Any, key: str) -> Any:
+    """`value` as type `tp`, or a ConfigError naming `key` and what it accepts."""
+    origin = typing.get_origin(tp)
+    bad = ConfigError(f"{key}: expected {describe(tp)}, got {value!r}")
+    if tp is Any:
+        return value
+    if origin is Literal:
+        if value in typing.get_args(tp) and not isinstance(value, bool):
+            return value
+        raise bad
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+            raise bad
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return coerce(value, a, key)
+            except ConfigError:
+                pass
+        raise bad
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise bad
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise bad
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 1e-6 and inf as strings
+            try:
+                return float(value.strip())
+            except ValueError:
+                raise bad from None
+        raise bad
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise bad
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise bad
+        (elem,) = typing.get_args(tp)[:1] or (Any,)
+        return [coerce(v, elem, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise bad
+        return dict(value)
+    raise TypeError(f"config type {tp!r} of {key} is not supported")
+
+
+def build(cls: type, raw: dict[str, Any], prefix: str) -> Any:
+    """An instance of the dataclass `cls` from `raw`, checking names, types and bounds."""
+    hints = typing.get_type_hints(cls)
+    flds = {f.name: f for f in fields(cls) if f.init}
+    kw = {}
+    for key, value in raw.items():
+        if key not in flds:
+            names = list(flds)
+            raise ConfigError(
+                f"unknown config key {prefix}.{key}{suggest(key, names)}; allowed in {prefix}: {', '.join(names)}"
+            )
+        name = f"{prefix}.{key}"
+        v = coerce(value, hints[key], name)
+        meta = flds[key].metadata
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            if math.isnan(v):
+                raise ConfigError(f"{name}: must be a number, got nan")
+            for op, bound, ok in (
+                (">=", meta.get("ge"), lambda a, b: a >= b),
+                (">", meta.get("gt"), lambda a, b: a > b),
+                ("<=", meta.get("le"), lambda a, b: a <= b),
+                ("<", meta.get("lt"), lambda a, b: a < b),
+            ):
+                if bound is not None and not ok(v, bound):
+                    raise ConfigError(f"{name}: must be {op} {bound}, got {v}")
+        kw[key] = v
+    try:
+        return cls(**kw)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as e:  # AlgoConfig's own checks name the key already
+        raise ConfigError(str(e)) from None
