@@ -64,10 +64,8 @@ class SGLangRolloutEngine:
 
     `processes`: the ServerProcess handles of the endpoints this engine launched (same order); `relaunch(i)`
     starts a replacement for server i. A restarted server loads the original checkpoint and gets the current
-    policy before it gets any response: `weight_source()` yields its weight buckets, pushed through this
-    process, or `restore_weights(server address, version)` brings it there otherwise (a cluster run's weight
-    transport: the trainer's ranks send it, nothing crosses this process); `restart_weights` sets them once the
-    trainer exists.
+    policy before it gets any response (`ServedWeights`: `weight_source()`'s buckets through this process, or a
+    transport outside it; `restart_weights` sets which once the trainer exists).
     """
 
     def __init__(
@@ -81,9 +79,6 @@ class SGLangRolloutEngine:
         timeout_s: float = 300.0,
         poll_wait_s: float = 1.0,
     ) -> None:
-        self.weight_source = weight_source
-        self.restore_weights: Callable[[ServerAddress, int], Any] | None = None
-        self.version = 0  # the last policy version pushed
         self.faults: list[dict[str, Any]] = []  # one record per lost server
         self.last_pause: list[dict] = []  # each server's last pause reply body (timings)
         self.where: dict[str, ServerSlot] = {}  # response id -> the server slot that holds it
@@ -91,6 +86,7 @@ class SGLangRolloutEngine:
         self._deferred: list[Chunk] = []  # training outputs that arrived while evaluating
         self.pool = ServerPool(endpoints, processes=processes, relaunch=relaunch, curve=curve, timeout_s=timeout_s,
                                poll_wait_s=poll_wait_s)
+        self.weights = ServedWeights(self.pool, weight_source)
         self.paused = any(s.paused for s in self.pool.servers)  # resume() resumes the servers found paused
 
     # --- RolloutEngine -----------------------------------------------------------------------------------
@@ -116,7 +112,7 @@ class SGLangRolloutEngine:
         for s, (batch, body) in self._settle(results).items():
             s.paused = True
             self.last_pause.append(body)
-            chunks += self._chunks(s, batch)
+            chunks += _chunks(batch, s, self.where)
             barrier.append(s.feed.wait_seq(body["event_seq"]))
         t1 = time.perf_counter()
         self.pool.run(gather(barrier))
@@ -162,26 +158,26 @@ class SGLangRolloutEngine:
     def update_weights(self, buckets: Iterator[list[tuple[str, Any]]], version: int) -> None:
         self._check_servers()
         try:
-            self._push(buckets, version, self.pool.alive())
+            self.weights.push(buckets, version, self.pool.alive())
         except ControlError as e:
             # the bucket stream is spent: after recovery every server gets the whole policy again
-            if not (self._check_servers() and self.weight_source is not None):
+            if not (self._check_servers() and self.weights.source is not None):
                 raise RuntimeError(f"rollout engine: {e}") from e
-            self._push(self.weight_source(), version, self.pool.alive())
-        self.version = version
+            self.weights.push(self.weights.source(), version, self.pool.alive())
+        self.weights.version = version
 
     def committed(self, version: int) -> None:
         """`version` is what every live server serves now: a weight transport outside this engine committed it."""
-        self.version = version
+        self.weights.version = version
 
     def restart_weights(self, *, source: Callable[[], Iterator[list[tuple[str, Any]]]] | None = None,
                         restore: Callable[[ServerAddress, int], Any] | None = None) -> None:
         """How a restarted server gets the current policy from now on (see the class docstring): each one given
         replaces the current one. `source` also serves `update_weights` again after a failed push."""
         if source is not None:
-            self.weight_source = source
+            self.weights.source = source
         if restore is not None:
-            self.restore_weights = restore
+            self.weights.restore = restore
 
     def live_servers(self) -> list[ServerAddress]:
         """The servers that serve now, in index order."""
@@ -194,7 +190,7 @@ class SGLangRolloutEngine:
         self._check_servers()
         plan = self._by_holder(r.response_id for r in responses)
         results = self._settle(
-            self.pool.fan({s: s.conn.compute_logprobs(rids, expect_version=self.version) for s, rids in plan.items()})
+            self.pool.fan({s: s.conn.compute_logprobs(rids, expect_version=self.weights.version) for s, rids in plan.items()})
         )
         got: dict[str, np.ndarray] = {}
         for s, (lps, _) in results.items():
@@ -328,40 +324,7 @@ class SGLangRolloutEngine:
             reqs = [q for s, qs in plan.items() if s not in done for q in qs]
 
     def _take_events(self, timeout: float) -> list[Chunk]:
-        return [c for s, batch in self.pool.take_events(timeout) for c in self._chunks(s, batch)]
-
-    def _chunks(self, s: ServerSlot, batch: OutputBatch) -> list[Chunk]:
-        """One Chunk per entry that `s` still holds (an event of a dropped response, or of a lost server's
-        slot, is not the loop's any more), as views into the batch's arrays."""
-        where = self.where
-        versions = batch.versions.astype(np.int64)
-        routes = None if batch.routed_experts is None else batch.routed_experts.astype(np.int32)
-        bounds, offsets = batch.bounds.tolist(), batch.offsets.tolist()
-        chunks = []
-        for i, rid in enumerate(batch.rids):
-            if where.get(rid) is not s:
-                continue
-            a, b = bounds[i], bounds[i + 1]
-            chunks.append(Chunk(rid, batch.token_ids[a:b], batch.logprobs[a:b], versions[a:b],
-                                None if routes is None else routes[a:b], batch.finish[i],
-                                batch.prompt_routes.get(i), batch.errors.get(i), offsets[i],
-                                batch.prefix_routes.get(i)))
-        return chunks
-
-    def _push(self, buckets: Iterable[Iterable[tuple[str, Any]]], version: int, servers: list[ServerSlot]) -> None:
-        """Stream (hf_name, tensor) buckets to `servers`; one bucket of look-ahead marks the last, which commits.
-        A server applies nothing unless every bucket it received was valid."""
-        it = iter(buckets)
-        current = next(it, None)
-        if current is None:
-            raise ValueError("update_weights needs at least one bucket")
-        i = 0
-        while current is not None:
-            following = next(it, None)
-            bucket = list(current)
-            commit = following is None
-            self.pool.run(gather([s.conn.update_weights(bucket, version, bucket=i, commit=commit) for s in servers]))
-            current, i = following, i + 1
+        return [c for s, batch in self.pool.take_events(timeout) for c in _chunks(batch, s, self.where)]
 
     def _query(self, s: ServerSlot, coro: Coroutine) -> dict:
         if not s.alive:
@@ -386,15 +349,63 @@ class SGLangRolloutEngine:
             self._lost += held
             new = self.pool.replace(s)
             if new is not None:
-                if self.restore_weights is not None:
-                    self.restore_weights(new.address(), self.version)
-                elif self.weight_source is not None:
-                    self._push(self.weight_source(), self.version, [new])
+                self.weights.bring_up(new)
                 if self.paused and not new.paused:
                     self.pool.run(new.conn.pause())
                     new.paused = True
             self.faults.append({"server": s.index, "restarted": new is not None, "lost": held,
-                                "version": self.version})
+                                "version": self.weights.version})
             log.warning("server %d lost: %s, %d responses to resubmit", s.index,
                         "restarted" if new is not None else "abandoned", len(held))
         return bool(lost)
+
+
+def _chunks(batch: OutputBatch, s: ServerSlot, where: dict[str, ServerSlot]) -> list[Chunk]:
+    """One Chunk per entry that `s` still holds (`where`: an event of a dropped response, or of a lost server's
+    slot, is not the loop's any more), as views into the batch's arrays."""
+    versions = batch.versions.astype(np.int64)
+    routes = None if batch.routed_experts is None else batch.routed_experts.astype(np.int32)
+    bounds, offsets = batch.bounds.tolist(), batch.offsets.tolist()
+    chunks = []
+    for i, rid in enumerate(batch.rids):
+        if where.get(rid) is not s:
+            continue
+        a, b = bounds[i], bounds[i + 1]
+        chunks.append(Chunk(rid, batch.token_ids[a:b], batch.logprobs[a:b], versions[a:b],
+                            None if routes is None else routes[a:b], batch.finish[i], batch.prompt_routes.get(i),
+                            batch.errors.get(i), offsets[i], batch.prefix_routes.get(i)))
+    return chunks
+
+
+class ServedWeights:
+    """The policy the servers serve: its version, pushed to them bucket by bucket, and how a restarted server
+    (which loads the original checkpoint) gets it: `restore(server address, version)` when set (a transport
+    outside this process), else `source()`'s buckets pushed through this one."""
+
+    def __init__(self, pool: ServerPool, source: Callable[[], Iterator[list[tuple[str, Any]]]] | None) -> None:
+        self.pool = pool
+        self.source = source
+        self.restore: Callable[[ServerAddress, int], Any] | None = None
+        self.version = 0  # the last policy version every live server committed
+
+    def push(self, buckets: Iterable[Iterable[tuple[str, Any]]], version: int, servers: list[ServerSlot]) -> None:
+        """Stream (hf_name, tensor) buckets to `servers`; one bucket of look-ahead marks the last, which commits.
+        A server applies nothing unless every bucket it received was valid."""
+        it = iter(buckets)
+        current = next(it, None)
+        if current is None:
+            raise ValueError("update_weights needs at least one bucket")
+        i = 0
+        while current is not None:
+            following = next(it, None)
+            bucket = list(current)
+            commit = following is None
+            self.pool.run(gather([s.conn.update_weights(bucket, version, bucket=i, commit=commit) for s in servers]))
+            current, i = following, i + 1
+
+    def bring_up(self, server: ServerSlot) -> None:
+        """A restarted server gets the current policy (before any response)."""
+        if self.restore is not None:
+            self.restore(server.address(), self.version)
+        elif self.source is not None:
+            self.push(self.source(), self.version, [server])

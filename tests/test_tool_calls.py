@@ -303,7 +303,8 @@ def test_a_policy_turn_runs_in_the_python_tool_and_its_output_follows_the_turn(l
         "I will use the interpreter.\n"
         + format_tool_call("code_interpreter", {"code": "print(sum(range(10)))"})
         + "\n"
-        + format_tool_call("python", {"code": "while True:\n    pass"})
+        # idle, so only the wall limit stops it (a busy loop meets the 5 s CPU limit first on a quiet machine)
+        + format_tool_call("python", {"code": "import time\nwhile True:\n    time.sleep(1)"})
         + "\n<tool_call>\n{broken\n</tool_call>"
     )
     with ToolRunner(reg, ToolConfig(time_limit_s=6, grace_s=5, max_workers=3)) as runner:
