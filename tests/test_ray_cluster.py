@@ -141,7 +141,6 @@ def test_rollverify_steps_over_two_nodes_survive_a_killed_server(ray_cluster, tm
         assert [r.metrics["policy_version"] for r in rows] == [1, 2, 3]
         mismatch = [r.metrics["train/mismatch_abs_max"] for r in rows]
         assert max(mismatch) < FLOOR, mismatch
-        assert sum(r.metrics["train/drift_tokens"] for r in rows) > 0
         versions = [h["version"] for h in run.engine.health()]
         assert versions == [3, 3], versions  # the weights reached both servers, the restarted one included
         assert _key_folders() == keys_before  # the started servers' CURVE keys, the restarted one's too, are gone
