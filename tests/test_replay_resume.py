@@ -66,9 +66,9 @@ def check_replay_at_the_floor(rows: list[dict], restarted: bool = True, resumed:
     """At every step the trainer's own-version tokens agree with the engine; across the run responses were
     carried and (as asked) restarted from the prompt, resumed from a kept prefix and trained with older tokens
     (whether a carried prefix reaches training within 4 steps depends on the pauses' timing at the tiny shape)."""
-    mismatch = [r["train/mismatch_abs_max"] for r in rows]
-    assert max(mismatch) < FLOOR, mismatch
-    assert all(r["train/mismatch_tokens"] > 0 for r in rows)
+    # a step may train only carried tokens of older versions (a group that finished before the update)
+    mismatch = [r["train/mismatch_abs_max"] for r in rows if r["train/mismatch_tokens"]]
+    assert mismatch and max(mismatch) < FLOOR, mismatch
     assert sum(r["verify/restarted"] for r in rows) > 0 or not restarted
     if not resumed:
         return
