@@ -38,6 +38,7 @@ def test_tiny_cpu_config():
     assert changed <= {
         ("rollout", "max_new_tokens"),
         ("rollout", "engine_args"),
+        ("rollout", "server_startup_s"),  # a tiny model starts in seconds: fail fast
         ("trainer", "lr"),
         ("eval", "every"),
         ("eval", "n_prompts"),

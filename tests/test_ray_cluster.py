@@ -85,8 +85,8 @@ def _distributed_run(cfg, out):
     from rollverify.app.weight_transport import TransportWeights
 
     class DistributedRun(Run):
-        def _weight_sync(self):
-            return TransportWeights(self.engine, self.trainer, "distributed", colocated=False, timeout_s=300.0)
+        def _weight_sync(self, engine, trainer):
+            return TransportWeights(engine, trainer, "distributed", handoff=self.handoff, timeout_s=300.0)
 
     return DistributedRun(cfg, out)
 
