@@ -28,7 +28,8 @@ SMALL = [
     "cluster.log_to_driver=false",
     "trainer.dp=2",
     "rollout.n_servers=2",
-    "rollout.server_timeout_s=900",  # startup included: the shared 2-core machine can take minutes
+    "rollout.server_timeout_s=900",
+    "rollout.server_startup_s=900",  # the shared 2-core machine can take minutes to start two servers
     "rollout.engine_args.mem_fraction_static=0.3",  # SGLang's CPU pool check reads free RAM, low on a shared machine
 ]
 NODE_CPUS = 3  # one trainer rank + one server per node, and a spare one

@@ -212,13 +212,15 @@ class MemoryBook:
     def render(self) -> list[str]:
         phases = [p for p in PHASES if p in self.ledger.peaks] + [p for p in self.ledger.phases if p not in PHASES]
         cap = self.plan.cfg.cluster.gpu_memory_gib
+        classes = self.gpu_classes()
+        labels = {name: f"{name} ({len(slots)} GPUs)" for name, slots in classes.items()}
+        width = max(len(x) for x in labels.values()) + 1
         lines = [f"peak per GPU by phase (GiB of {cap}), replayed through the run's start-up and phase order",
-                 "  " + "GPU".ljust(34) + "".join(f"{p:>11}" for p in phases)]
+                 "  " + "GPU".ljust(width) + "".join(f"{p:>11}" for p in phases)]
         worst: tuple[float, str, str, Peak] | None = None
         for name, row in self.phase_peaks().items():
-            n = len(self.gpu_classes()[name])
             cells = "".join(f"{row[p].nbytes / GiB:>11.1f}" if p in row else f"{'':>11}" for p in phases)
-            lines.append("  " + f"{name} ({n})".ljust(34) + cells)
+            lines.append("  " + labels[name].ljust(width) + cells)
             for p, peak in row.items():
                 if worst is None or peak.nbytes > worst[0]:
                     worst = (peak.nbytes, name, p, peak)
