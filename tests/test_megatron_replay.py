@@ -151,9 +151,7 @@ def test_recomputed_layers_replay_the_routes_of_their_forward():
                                                                        lr=1e-2))
         try:
             m = trainer.train_step(seqs)
-            after, _ = trainer.compute_logprobs(seqs, replay=False)
         finally:
             trainer.close()
-        steps[recompute] = (m["loss"], m["grad_norm"], after)
-    assert steps["full"][:2] == pytest.approx(steps["none"][:2], rel=1e-6, abs=1e-7)
-    assert np.abs(steps["full"][2] - steps["none"][2]).max() < 1e-6
+        steps[recompute] = (m["loss"], m["grad_norm"])
+    assert steps["full"] == pytest.approx(steps["none"], rel=1e-6, abs=1e-7)
