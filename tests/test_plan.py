@@ -188,10 +188,16 @@ def test_cluster_keys_that_contradict_each_other():
         load_config(None, ["model.path=/m", "model.arch=qwen3-8B"])
 
 
-def test_train_checks_the_plan_before_it_writes_anything(tmp_path):
+@pytest.mark.parametrize("overrides, message", [
+    (["trainer.dp=32"], "trainer world size 64"),
+    # a phase that overfills a GPU: named with its GPU and holders before any server or rank starts
+    (["trainer.offload_between_phases=false"], r"phase rollout: node 0 GPU 0 would hold 96\.4 GiB of its 79\.6 GiB: "
+     r"server 0 context 1\.5 GiB, .*trainer rank 0 params 7\.6 GiB"),
+])
+def test_train_checks_the_plan_before_it_writes_anything(tmp_path, overrides, message):
     from rollverify.app.train import train
 
-    cfg = load_config(CONFIGS / "qwen3_8b_base.yaml", ["trainer.dp=32"], check_task=False)
-    with pytest.raises(PlanError, match="trainer world size 64"):
+    cfg = load_config(CONFIGS / "qwen3_8b_base.yaml", overrides, check_task=False)
+    with pytest.raises(PlanError, match=message):
         train(cfg, tmp_path / "run")
     assert not (tmp_path / "run").exists()

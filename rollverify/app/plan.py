@@ -15,15 +15,17 @@ Memory per GPU, in bytes (formulas documented in docs/cluster.md, "What plan cou
 * trainer, per rank of the fullest pipeline stage: bf16 weights (2 B/param), fp32 gradients (4 B/param: the
   trainer reduces gradients in fp32), fp32 main params + Adam moments (12 B/param) sharded by the distributed
   optimizer over data parallel (dense: dp*cp ranks; experts: world / (pp*ep*etp)); activations of one
-  micro-batch of max(micro_batch_tokens, context) tokens (`layer_activation_bytes` per token per layer, all
-  layers held: 1F1B keeps pp micro-batches of L/pp layers on the first stage; selective recompute drops
+  micro-batch of max(micro_batch_tokens, context) tokens (`layer_activation_bytes` per token per layer, counted
+  from what Megatron-Core's layer saves; all layers held: 1F1B keeps pp micro-batches of L/pp layers on the
+  first stage; selective recompute drops
   `selective_freed_bytes`; full recompute keeps each layer's input plus one layer's working set); the final
   hidden states and one log-prob chunk of logits.
 * server: weights / tp_size; KV cache for min(ceil(max_live / n_servers) + n - 1, max_running_requests)
   responses at full context, 2 * layers * max(1, kv_heads / tp) * head_dim * kv_bytes per token per GPU; the KV pool SGLang
   can have is mem_fraction_static * GPU memory - weights (or `max_total_tokens` when set).
-* colocated: rollout and training take turns (each side releases its memory for the other's phase), so each
-  phase's peak plus the other side's idle process must fit; disaggregated: each side on its own GPUs.
+* per phase and GPU: the run's own start-up and phase order (rollverify.app.handoff) replayed on a ledger of
+  the plan's GPUs (rollverify.app.gpu_memory.MemoryBook, with these figures); a GPU that a phase overfills is a
+  problem naming the phase, the GPU and every holder's bytes, and the table prints each phase's peak.
 """
 
 from __future__ import annotations
