@@ -10,7 +10,8 @@ sequence to print each phase's peak before anything starts.
 A `hold` that makes a slot exceed its capacity raises `GpuMemoryError` naming the phase, the slot and every
 holder's bytes (with `strict=False` it is kept in `overflows` instead: the plan reports all of them). On CUDA,
 `compare` holds a measured figure (torch.cuda.memory_allocated, or what mem_get_info says is in use) against the
-ledger and warns, once per phase and slot, when the measurement is above the ledger by more than `margin`.
+ledger and warns, once per phase, slot and kind of measurement, when the measurement is above the ledger by
+more than `margin`.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class GpuLedger:
         self._held: dict[Slot, dict[str, int]] = {s: {} for s in self.capacity}
         self.peaks: dict[str, dict[Slot, Peak]] = {"start": {}}
         self.overflows: list[str] = []
-        self._warned: set[tuple[str, Slot]] = set()
+        self._warned: set[tuple[str, Slot, str]] = set()
 
     # --- phases ---------------------------------------------------------------------------------------------
 
@@ -114,10 +115,10 @@ class GpuLedger:
     # --- measurement ----------------------------------------------------------------------------------------
 
     def compare(self, slot: Slot, measured: int, counted: int | None = None, what: str = "measured") -> bool:
-        """Warn (once per phase and slot) when `measured` bytes exceed the ledger's `counted` (default: the
-        slot's total) by more than `margin`; returns whether it warned."""
+        """Warn (once per phase, slot and `what`) when `measured` bytes exceed the ledger's `counted` (default:
+        the slot's total) by more than `margin`; returns whether it warned."""
         counted = self.total(slot) if counted is None else counted
-        key = (self.phase, slot)
+        key = (self.phase, slot, what)
         if measured - counted <= self.margin or key in self._warned:
             return False
         self._warned.add(key)

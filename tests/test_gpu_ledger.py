@@ -226,3 +226,28 @@ def test_a_paper_config_starts_and_runs_every_phase_within_each_gpu(dry_run, nam
             holders = dict(peak.holders)
             assert not (any("kv_cache" in h for h in holders) and any(
                 h.endswith((" params", " optimizer", " grads")) for h in holders)), (phase, holders)
+
+
+def test_a_ranks_cuda_report_is_held_against_its_entries_and_its_gpu():
+    """`MemoryBook.compare`: torch's allocation against the rank's own entries, the device's use (mem_get_info)
+    against everything the ledger has on that GPU."""
+    from rollverify.app.gpu_memory import MemoryBook
+    from rollverify.app.plan import make_plan
+
+    book = MemoryBook(make_plan(load_config(CONFIGS / "qwen3_8b_base.yaml", check_task=False)))
+    said: list[str] = []
+    book.ledger.warn = said.append
+    book.server_started(0)
+    book.servers_released(("weights", "kv_cache", "cuda_graph"))
+    with book.trainer_building():
+        pass
+    mine = sum(book.trainer_bytes[k] for k in ("params", "grads", "optimizer"))
+    gpu = int(79.6 * GiB)
+    book.enter("train")
+    book.compare(0, {"allocated": mine, "free": gpu - book.ledger.total((0, 0)), "total": gpu})
+    assert said == []
+    book.compare(0, {"allocated": mine + 3 * GiB, "free": gpu - book.ledger.total((0, 0)) - 3 * GiB, "total": gpu})
+    assert len(said) == 2 and "trainer rank 0 memory_allocated 28.7 GiB, the ledger counts 25.7 GiB" in said[0]
+    assert "in use (mem_get_info)" in said[1]
+    book.compare(1, {})  # off CUDA a rank reports nothing
+    assert len(said) == 2

@@ -66,12 +66,14 @@ class Handoff:
     """The colocated order of releases, offloads, reloads and resumes (module docstring), recorded on `book`.
 
     `colocated`: the servers release their memory for the trainer's phases; `offloads`: the trainer offloads
-    its state for the servers' (`trainer.offload_between_phases`). `servers` and `trainer` are set once they
-    exist (`start` sets `trainer`)."""
+    its state for the servers' (`trainer.offload_between_phases`); `measure` (a GPU run): after the trainer
+    reloads and after it offloads, its rank 0's measured memory is held against the ledger. `servers` and
+    `trainer` are set once they exist (`start` sets `trainer`)."""
 
-    def __init__(self, book: MemoryBook | NullBook | None = None, *, colocated: bool, offloads: bool) -> None:
+    def __init__(self, book: MemoryBook | NullBook | None = None, *, colocated: bool, offloads: bool,
+                 measure: bool = False) -> None:
         self.book = book if book is not None else NullBook()
-        self.colocated, self.offloads = colocated, offloads
+        self.colocated, self.offloads, self.measure = colocated, offloads, measure
         self.servers: ServerSide | None = None
         self.trainer: TrainerSide | None = None
         self.released: list[str] = []  # the servers' tags released now
@@ -104,6 +106,7 @@ class Handoff:
             assert self.trainer is not None
             self.trainer.reload()
             self.book.trainer_reloaded()
+            self._measured()
 
     def push(self, send: Callable[[], dict[str, float]]) -> dict[str, float]:
         """`send` streams the trainer's weights to the servers, in the handoff's order; returns its statistics
@@ -119,6 +122,7 @@ class Handoff:
             stats = send()
         if offloading:
             released = {**released, **self._offload(("params",))}
+            self._measured()
         self.book.enter("rollout")
         if self.released:
             self._servers("resume", list(self.released))
@@ -155,6 +159,11 @@ class Handoff:
         else:
             self.released = [t for t in self.released if t not in tags]
             self.book.servers_resumed(tags)
+
+    def _measured(self) -> None:
+        """On CUDA: what the trainer's rank 0 measures, held against the ledger (`MemoryBook.compare`)."""
+        if self.measure and self.book.enabled and self.trainer is not None:
+            self.book.compare(0, self.trainer.memory_report())
 
     def _offload(self, kinds: Sequence[str]) -> dict[str, float]:
         assert self.trainer is not None
@@ -273,7 +282,7 @@ def make_handoff(cfg: Any, book: MemoryBook | NullBook) -> Handoff:
     c = cfg.cluster
     colocated = c.placement == "colocated" and transport_for(c.launcher, c.placement) == "ipc"
     return Handoff(book, colocated=colocated and not cfg.rollout.endpoints,
-                   offloads=cfg.trainer.offloads(c.launcher, c.placement))
+                   offloads=cfg.trainer.offloads(c.launcher, c.placement), measure=c.gpus_per_node > 0)
 
 
 def start_run(cfg: Any, handoff: Handoff, start_engine: Callable[[], Any], start_trainer: Callable[[], Any],
@@ -313,6 +322,7 @@ def replay_run(cfg: Any, book: MemoryBook) -> None:
     from sglang_ext.pool import ServerAddress
 
     handoff = make_handoff(cfg, book)
+    handoff.measure = False  # nothing runs: nothing to measure
     dry = _Dry()
     servers = [ServerAddress(s.index, f"tcp://replay:{s.index}", None) for s in book.plan.servers] or [
         ServerAddress(i, e, None) for i, e in enumerate(cfg.rollout.endpoints)]
