@@ -109,8 +109,8 @@ class DryWings:
     def committed(self, version):
         self.log.append(f"servers serve v{version}")
 
-    def restart_weights(self, **kw):
-        pass
+    def restart_weights(self, source=None, restore=None):
+        self.restore = restore or getattr(self, "restore", None)  # how a restarted server gets the policy
 
     def close(self, shutdown=True):
         pass
@@ -198,6 +198,7 @@ def test_a_paper_config_starts_and_runs_every_phase_within_each_gpu(dry_run, nam
     loop.trainer.compute_logprobs([], 1.0)
     loop.version = 1
     loop.weights.push(1)
+    wings.restore(wings.addresses[0], 1)  # a restarted server gets the policy while the others generate
     run.save()
     run.export()
     run.restore(run.out)
@@ -205,6 +206,7 @@ def test_a_paper_config_starts_and_runs_every_phase_within_each_gpu(dry_run, nam
         "servers release weights,kv_cache,cuda_graph", "trainer reload", "train_step",
         "trainer offload grads,optimizer", "servers resume weights", f"send ipc v1 to {n} servers",
         "servers serve v1", "trainer offload params", "servers resume kv_cache,cuda_graph",
+        "send ipc v1 to 1 servers",  # the restarted server's, from the rank on its first GPU
         # checkpoint and export while the servers have released their KV pool; the trainer's own calls bring
         # its state back (`_needs`) and offload it after
         "servers release kv_cache,cuda_graph", "save", "servers resume kv_cache,cuda_graph",

@@ -134,7 +134,7 @@ def test_moe_counts_experts_over_ep():
         (
             "qwen3_8b_base",
             ["trainer.offload_between_phases=false"],
-            r"phase rollout: node 0 GPU 0 would hold 96\.4 GiB .*server 0 kv_cache 60\.0 GiB.*trainer rank 0 "
+            r"phase rollout: node 0 GPU 0 would hold 94\.0 GiB .*server 0 kv_cache 57\.6 GiB.*trainer rank 0 "
             r"optimizer 2\.9 GiB.*offload_between_phases=null",
         ),
     ],
@@ -191,7 +191,7 @@ def test_cluster_keys_that_contradict_each_other():
 @pytest.mark.parametrize("overrides, message", [
     (["trainer.dp=32"], "trainer world size 64"),
     # a phase that overfills a GPU: named with its GPU and holders before any server or rank starts
-    (["trainer.offload_between_phases=false"], r"phase rollout: node 0 GPU 0 would hold 96\.4 GiB of its 79\.6 GiB: "
+    (["trainer.offload_between_phases=false"], r"phase rollout: node 0 GPU 0 would hold 94\.0 GiB of its 79\.6 GiB: "
      r"server 0 context 1\.5 GiB, .*trainer rank 0 params 7\.6 GiB"),
 ])
 def test_train_checks_the_plan_before_it_writes_anything(tmp_path, overrides, message):

@@ -318,7 +318,8 @@ def replay(plan: Plan, *, bucket_bytes: int = 64 << 20) -> MemoryBook:
 
 def replay_run(cfg: Any, book: MemoryBook) -> None:
     """`rollverify train`'s order on do-nothing sides: `start_run`, one step (rollout, train, verify, sync) as the
-    loop calls it, a checkpoint, an export and a restore as `Run` does them."""
+    loop calls it, a restarted server's restore during the rollout (the transport's `restore`), a checkpoint, an
+    export and a restore as `Run` does them."""
     from sglang_ext.pool import ServerAddress
 
     handoff = make_handoff(cfg, book)
@@ -341,6 +342,8 @@ def replay_run(cfg: Any, book: MemoryBook) -> None:
     trainer.train_step()
     trainer.compute_logprobs()
     weights.push(1)
+    if hasattr(weights, "restore"):  # a restarted server gets the policy while the others generate
+        weights.restore(servers[0], 1)
     for phase, kinds, bucket in RUN_TURNS:
         with handoff.trainer_turn(phase, kinds, bucket=bucket):
             pass

@@ -167,8 +167,11 @@ class TransportWeights:
         """A restarted server (the engine's `restore_weights`: a server serving the original checkpoint) gets
         `version` through this transport from the trainer's ranks, like a push: over a weight-update group of
         its own (distributed; the next push forms a new group with every live server), or from the rank on its
-        first GPU (ipc). While the trainer is offloaded its parameters come back for the send only."""
-        return self.trainer.send_weights(self._spec_of([server], _group_name()), version, self.bucket_bytes)
+        first GPU (ipc). While the trainer is offloaded its parameters come back for the send only, on every
+        rank: colocated on GPUs beside the other servers' KV pools, which the ledger records (and refuses where
+        they do not fit: the servers are generating, so they cannot release their pools for it)."""
+        with self.handoff.book.resident(("params",)), self.handoff.book.computing("bucket"):
+            return self.trainer.send_weights(self._spec_of([server], _group_name()), version, self.bucket_bytes)
 
     def before_training(self) -> None:
         self.handoff.before_training()
