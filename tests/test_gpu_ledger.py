@@ -223,11 +223,14 @@ def test_a_paper_config_starts_and_runs_every_phase_within_each_gpu(dry_run, nam
         assert set(row) == {"start", "rollout", "train", "verify", "sync", "checkpoint", "export", "restore"}
         assert {p: x.nbytes for p, x in row.items()} == {p: x.nbytes for p, x in planned[gpu_class].items()}
         assert max(x.nbytes for x in row.values()) <= 79.6 * GiB
-        # the trainer's state and the servers' KV pool never share a GPU
+        # the trainer's state and the servers' KV pool share a GPU only for a restarted server's restore during
+        # the rollout (the parameters, for the send)
         for phase, peak in row.items():
             holders = dict(peak.holders)
-            assert not (any("kv_cache" in h for h in holders) and any(
-                h.endswith((" params", " optimizer", " grads")) for h in holders)), (phase, holders)
+            beside = {h.rsplit(" ", 1)[1] for h in holders if h.startswith("trainer")} & {"params", "grads",
+                                                                                         "optimizer"}
+            if any("kv_cache" in h for h in holders):
+                assert beside <= ({"params"} if phase == "rollout" else set()), (phase, holders)
 
 
 def test_a_ranks_cuda_report_is_held_against_its_entries_and_its_gpu():

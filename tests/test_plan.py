@@ -123,7 +123,7 @@ def test_moe_counts_experts_over_ep():
             "qwen3_8b_base",
             ["rollout.max_live=2048", "rollout.engine_args.max_running_requests=256"],
             r"KV cache: a server must hold 135 live responses x 32768 tokens = 4423680 tokens, its pool holds "
-            r"\d+ .*set engine_args\.max_running_requests to 26",
+            r"\d+ .*set engine_args\.max_running_requests to 25",
         ),
         ("qwen3_8b_base", ["rollout.n_servers=20"], r"20 servers x 2 GPUs = 40 GPUs, more than the 32 GPUs"),
         ("qwen3_8b_base", ["trainer.tp=16", "trainer.dp=2"], r"key-value heads 8 are not both divisible by tp=16"),
