@@ -67,6 +67,10 @@ class LoopTrainer:
         """Every rank brings back what `offload` released."""
         return self.trainer.reload()
 
+    def memory_report(self) -> dict[str, int]:
+        """The GPU memory CUDA reports on (rank 0 of) the trainer; {} off CUDA."""
+        return self.trainer.memory_report()
+
     def save(self, path: str) -> None:
         self.trainer.save_checkpoint(path)
 

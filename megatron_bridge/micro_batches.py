@@ -90,8 +90,9 @@ class MicroBatchRunner:
             replay.attach_routes(mb, seqs, self.arch.num_layers, self.arch.top_k, self.arch.num_experts)
         return mb
 
-    def _forward_step(self, loss_of_mb: LossOfMicroBatch):
-        """A Megatron forward_step_func over an iterator of MicroBatch."""
+    def _forward_step(self, loss_of_mb: LossOfMicroBatch, for_backward: bool = False):
+        """A Megatron forward_step_func over an iterator of MicroBatch; `for_backward`: the backward recomputes
+        layers, which replay the forward's routes (`replay.replaying`)."""
         dev = self.device
 
         def step(data_iterator, model):
@@ -101,7 +102,8 @@ class MicroBatchRunner:
                 per = mb.packed.num_tokens() // self.cfg.tp
                 sp_slice = slice(self.layout.tp_rank * per, (self.layout.tp_rank + 1) * per)
             tokens = mb.packed.context_parallel_index(self.cfg.cp, self.cp_rank) if self.cfg.cp > 1 else None
-            with replay.replaying(mb.routes, self.moe_layer_offset, sp_slice=sp_slice, device=dev):
+            with replay.replaying(mb.routes, self.moe_layer_offset, sp_slice=sp_slice, device=dev,
+                                  for_backward=for_backward):
                 out = packed_forward(model, mb.packed, dev, tokens=tokens)
 
             def loss_func(output):
@@ -143,9 +145,11 @@ class MicroBatchRunner:
         if self.cfg.pp > 1 and len({mb.packed.shape[0] for mb in mbs}) > 1:
             raise AssertionError("pipeline stages exchange [S, B, H]: rows per micro-batch must be equal under PP")
         seq_len = max(mb.packed.shape[1] for mb in mbs)  # the whole pack's: Megatron-Core divides by cp (and tp)
-        out = fb(forward_step_func=self._forward_step(loss_of_mb), data_iterator=iter(mbs), model=[self.model],
-                 num_microbatches=len(mbs), seq_length=seq_len, micro_batch_size=mbs[0].packed.shape[0],
-                 forward_only=forward_only)
+        recomputes = not forward_only and self.cfg.recompute == "full"  # selective: core attention, no router
+        with replay.replayed():
+            out = fb(forward_step_func=self._forward_step(loss_of_mb, for_backward=recomputes),
+                     data_iterator=iter(mbs), model=[self.model], num_microbatches=len(mbs), seq_length=seq_len,
+                     micro_batch_size=mbs[0].packed.shape[0], forward_only=forward_only)
         return list(out) if out else []
 
     def share_results(self, mine: list[dict]) -> list[dict]:

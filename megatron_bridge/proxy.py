@@ -72,6 +72,10 @@ class TrainerProxy:
         """Every rank brings back what `offload` released (`MegatronTrainer.reload`)."""
         return self._call("reload", kinds)
 
+    def memory_report(self) -> dict[str, int]:
+        """Rank 0's GPU memory (`MegatronTrainer.memory_report`)."""
+        return self._call("memory_report")
+
     def iter_hf_tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Materialises the export in the driver, then yields it (the ranks stream it bucket by bucket)."""
         return iter(self.export_hf_state(dtype=dtype).items())

@@ -17,6 +17,11 @@ so the PPO ratio starts at exactly 1 and the gradient is taken through the route
 R3 result: far smaller train/engine mismatch for MoE). `replay_verify=False`: verification must measure the new
 policy as it will generate when resumed, and it will route freely; replaying the old routes would hide
 exactly the drift that verification exists to catch.
+
+Activation recompute replays too: a layer recomputed in the backward (trainer.recompute full; selective
+recompute of a MoE model recomputes core attention only, which has no router) takes its routes from the
+queue its forward filled (`replaying(..., for_backward=True)`), so the gradient is that of the replayed
+forward.
 """
 
 from __future__ import annotations
@@ -85,11 +90,15 @@ def _instances():
 
 @contextlib.contextmanager
 def replaying(routes: list[torch.Tensor] | None, layer_offset: int = 0, sp_slice: slice | None = None,
-              device: torch.device | str = "cpu") -> Iterator[None]:
+              device: torch.device | str = "cpu", for_backward: bool = False) -> Iterator[None]:
     """Within the block, MoE routers replay `routes` (None: free routing, the default top-k).
 
     `layer_offset` selects this pipeline stage's layers; `sp_slice` this TP rank's token slice under sequence
-    parallelism. Always leaves the routers in free routing with no data held.
+    parallelism. Without `for_backward` the routers are left in free routing with no data held. With it (a
+    training forward whose layers are recomputed in the backward) each router keeps this forward's routes in
+    Megatron-Core's backward queue (`RouterReplay.replay_backward_list`, one entry per forward, taken in order)
+    and is left replaying from that queue, so the recomputed forward routes exactly as this one did; `replayed`
+    around the whole forward-backward schedule clears it.
     """
     from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
@@ -102,13 +111,35 @@ def replaying(routes: list[torch.Tensor] | None, layer_offset: int = 0, sp_slice
         raise RoutingMismatch(f"{len(routes)} routed layers for {len(inst)} MoE routers at offset {layer_offset}")
     if sp_slice is not None:
         local = [r[sp_slice] for r in local]
-    RouterReplay.set_replay_data([r.to(device) for r in local])
+    RouterReplay.set_replay_data([r.to(device) for r in local])  # also queued for the backward's recompute
     RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
     try:
         yield
+    except BaseException:
+        clear()
+        raise
+    if for_backward:
+        RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+    else:
+        clear()
+
+
+def clear() -> None:
+    """Every router back to free routing with no routes held."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    RouterReplay.clear_global_router_replay_action()
+    RouterReplay.clear_global_indices()
+
+
+@contextlib.contextmanager
+def replayed() -> Iterator[None]:
+    """Around a forward-backward schedule whose forwards replay `for_backward`: the routers end in free routing
+    with nothing queued, however the schedule ends."""
+    try:
+        yield
     finally:
-        RouterReplay.clear_global_router_replay_action()
-        RouterReplay.clear_global_indices()
+        clear()
 
 
 @contextlib.contextmanager

@@ -97,9 +97,6 @@ class MegatronTrainer:
                                         f"etp > 1 (got sequence_parallel={cfg.sequence_parallel}, ep={cfg.ep}, "
                                         f"etp={cfg.etp})")
         check_layout(self.arch, tp=cfg.tp, ep=cfg.ep, pp=cfg.pp, cp=cfg.cp, etp=cfg.etp)
-        if cfg.recompute != "none" and self.arch.moe and cfg.replay_train:
-            raise ValueError(f"recompute={cfg.recompute!r} with MoE routing replay is not supported: the recomputed "
-                             f"forward would route freely; set recompute='none' or replay_train=False")
         recompute_options(cfg.recompute, self.arch.moe)  # a bad value fails here, before any process group
         self.pcfg = ParallelConfig(tp=cfg.tp, ep=cfg.ep, pp=cfg.pp, cp=cfg.cp, etp=cfg.etp)
         init_parallel(self.pcfg, device=self.device.type, seed=seed, timeout_s=cfg.dist_timeout_s)
@@ -288,6 +285,14 @@ class MegatronTrainer:
     def reload(self, kinds: Sequence[str] | None = None) -> dict[str, float]:
         """Bring back what `offload` released (default: all of it), bit for bit."""
         return self.memory.reload(kinds)
+
+    def memory_report(self) -> dict[str, int]:
+        """This rank's GPU memory as CUDA reports it (allocated by torch, free and total on the device); {} off
+        CUDA. The driver holds it against its ledger (rollverify.app.gpu_memory)."""
+        if self.device.type != "cuda":
+            return {}
+        free, total = torch.cuda.mem_get_info(self.device)
+        return {"allocated": torch.cuda.memory_allocated(self.device), "free": free, "total": total}
 
     # ------------------------------------------------------------------------------------------ export / sync
 

@@ -67,7 +67,7 @@ class InMemoryWeights:
 @dataclass
 class RolloutConfig:
     """The rollout section: the loop's GRPO batch shape, sampling, concurrency and polling, and the servers the
-    application starts for it (`n_servers`, `endpoints`, `engine_args`, `server_timeout_s`)."""
+    application starts for it (`n_servers`, `endpoints`, `engine_args`, `server_timeout_s`, `server_startup_s`)."""
 
     n_servers: int = bounded(1, ge=1)  # servers launched by `rollverify train` (ignored with endpoints)
     endpoints: list[str] = bounded(factory=list)  # connect to running servers instead of launching
@@ -84,6 +84,9 @@ class RolloutConfig:
     # A server that does not answer for this long is lost: its unfinished responses go to the others. Servers
     # `rollverify train` launched are also watched by process, and restarted when they exit.
     server_timeout_s: float = bounded(300.0, gt=0.0)
+    # A server `rollverify train` launches that does not serve within this long is stopped (its log's last lines
+    # in the error): a cold start of an 8B model with CUDA graph capture on a busy node takes many minutes
+    server_startup_s: float = bounded(1800.0, gt=0.0)
     wait_s: float = bounded(0.05, ge=0.0)  # how long one poll for finished responses blocks
     phase_timeout_s: float = bounded(600.0, gt=0.0)  # a rollout phase that makes no progress this long is an error
 
@@ -268,6 +271,12 @@ class Loop:
     def _submit(self, responses: Sequence[Response]) -> None:
         if responses:
             self.engine.submit(responses, self.sampling)
+
+    def pause_engines(self) -> None:
+        """The engines stop generating, what they produced so far recorded (the next rollout resumes them): a
+        colocated checkpoint or export between steps needs its servers idle to release their memory."""
+        if not self.engine.paused:
+            self._record(self.engine.pause())
 
     def _record(self, chunks: Sequence[Chunk]) -> int:
         """Append engine output to the buffer; score responses that finished. Returns how many finished."""

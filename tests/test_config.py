@@ -38,6 +38,7 @@ def test_tiny_cpu_config():
     assert changed <= {
         ("rollout", "max_new_tokens"),
         ("rollout", "engine_args"),
+        ("rollout", "server_startup_s"),  # a tiny model starts in seconds: fail fast
         ("trainer", "lr"),
         ("eval", "every"),
         ("eval", "n_prompts"),
@@ -206,3 +207,46 @@ def test_demo_stops_on_a_bad_mode_or_override_before_starting_anything(tmp_path,
     assert "rollout.server_timeout_s" in capsys.readouterr().err and not (tmp_path / "b").exists()
     assert demo(["--modes", "on_policy", "rollverify", "--eval-modes", "partial", "--out", str(tmp_path / "c")]) == 2
     assert "--eval-modes partial: not among --modes" in capsys.readouterr().err and not (tmp_path / "c").exists()
+
+
+def test_paths_are_made_absolute_where_the_config_is_read(tmp_path, monkeypatch):
+    """Relative paths mean the driver's working directory: they are made absolute when the config is read, so a
+    Ray worker (which starts in a folder of its own) and a later check from elsewhere find the same files."""
+    from rollverify.app.cluster import files_read
+
+    here = tmp_path / "here"
+    (here / "data").mkdir(parents=True)
+    (here / "data" / "train.jsonl").write_text('{"prompt": "1+1", "label": "2"}\n')
+    (here / "data" / "aime.jsonl").write_text('{"prompt": "1+1", "label": "2"}\n')
+    (here / "model").mkdir()
+    monkeypatch.chdir(here)
+    cfg = load_config(CONFIGS / "qwen3_8b_base.yaml", ["model.path=model", "task.options.train_path=data/train.jsonl",
+                                                       "task.options.eval_path=~/nowhere.parquet",
+                                                       "eval.sets={aime: {path: data/aime.jsonl}}"], check_task=False)
+    monkeypatch.chdir(tmp_path)  # another working directory: the paths still name the files above
+    assert cfg.model.path == str(here / "model")
+    assert cfg.task.options["train_path"] == str(here / "data" / "train.jsonl")
+    assert cfg.task.options["eval_path"] == str(Path("~/nowhere.parquet").expanduser())
+    assert cfg.eval.sets["aime"]["path"] == str(here / "data" / "aime.jsonl")
+    assert files_read(cfg, cfg.model.path)[:2] == [str(here / "model") + "/", str(here / "data" / "train.jsonl")]
+
+
+def test_a_colocated_gpu_run_takes_sglangs_memory_saver(monkeypatch):
+    """The servers of a colocated GPU run release their memory to the trainer, which SGLang does only through its
+    memory saver: validation turns it on (refusing an explicit false), and the start refuses a machine without
+    torch_memory_saver, naming the package; `plan` reads the config anywhere."""
+    cfg = load_config(CONFIGS / "qwen3_8b_base.yaml", check_task=False)
+    assert cfg.rollout.engine_args["enable_memory_saver"] is True
+    with pytest.raises(ConfigError, match=r"enable_memory_saver: false, but a colocated GPU run needs it"):
+        load_config(CONFIGS / "qwen3_8b_base.yaml", ["rollout.engine_args.enable_memory_saver=false"],
+                    check_task=False)
+    disagg = load_config(CONFIGS / "qwen3_8b_base.yaml", ["cluster.placement=disaggregated", "cluster.rollout_gpus=16",
+                                                          "trainer.dp=8", "rollout.n_servers=8"], check_task=False)
+    assert "enable_memory_saver" not in disagg.rollout.engine_args
+    assert "enable_memory_saver" not in load_config(CONFIGS / "tiny_cpu.yaml").rollout.engine_args
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch_memory_saver"
+                        else real(name, *a))
+    with pytest.raises(ConfigError, match=r"needs the torch_memory_saver package; it is not installed here"):
+        cfg.check_installed()
+    disagg.check_installed()

@@ -131,3 +131,27 @@ def test_rollverify_response_routes_are_prompt_then_generated(moe, bf16_engine):
     a, _ = moe.compute_logprobs([seq], replay=True)
     b, _ = moe.compute_logprobs([s], replay=True)
     assert np.array_equal(a, b)
+
+
+def test_recomputed_layers_replay_the_routes_of_their_forward():
+    """Full recompute with routing replay: the backward's recomputed forward routes by the same (engine) routes
+    as the forward, so the step equals the step without recompute; routes unlike the trainer's own top-k make
+    a recompute that routed freely give another gradient. Several micro-batches: each recompute takes its own."""
+    from megatron_bridge.trainer import MegatronTrainer, TrainerConfig
+
+    seqs = fixed_sequences(4, gens=GENS[:4])
+    lps, _ = hf_token_logprobs(tiny_path(moe=True), seqs, with_routes=True)
+    rng = np.random.default_rng(1)
+    for s, lp, adv in zip(seqs, lps, (1.0, -0.5, 0.7, -1.2), strict=True):
+        s.rollout_logprobs, s.advantage = lp, adv
+        s.routed_experts = np.argsort(rng.random((s.num_inputs, 2, 8)), -1)[..., :2].astype(np.int32)
+    steps = {}
+    for recompute in ("none", "full"):
+        trainer = MegatronTrainer(tiny_path(moe=True), TrainerConfig(recompute=recompute, micro_batch_tokens=40,
+                                                                       lr=1e-2))
+        try:
+            m = trainer.train_step(seqs)
+        finally:
+            trainer.close()
+        steps[recompute] = (m["loss"], m["grad_norm"])
+    assert steps["full"] == pytest.approx(steps["none"], rel=1e-6, abs=1e-7)

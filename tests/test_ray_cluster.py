@@ -28,7 +28,8 @@ SMALL = [
     "cluster.log_to_driver=false",
     "trainer.dp=2",
     "rollout.n_servers=2",
-    "rollout.server_timeout_s=900",  # startup included: the shared 2-core machine can take minutes
+    "rollout.server_timeout_s=900",
+    "rollout.server_startup_s=900",  # the shared 2-core machine can take minutes to start two servers
     "rollout.engine_args.mem_fraction_static=0.3",  # SGLang's CPU pool check reads free RAM, low on a shared machine
 ]
 NODE_CPUS = 3  # one trainer rank + one server per node, and a spare one
@@ -85,8 +86,8 @@ def _distributed_run(cfg, out):
     from rollverify.app.weight_transport import TransportWeights
 
     class DistributedRun(Run):
-        def _weight_sync(self):
-            return TransportWeights(self.engine, self.trainer, "distributed", colocated=False, timeout_s=300.0)
+        def _weight_sync(self, engine, trainer):
+            return TransportWeights(engine, trainer, "distributed", handoff=self.handoff, timeout_s=300.0)
 
     return DistributedRun(cfg, out)
 

@@ -179,16 +179,21 @@ def test_colocated_handoff_order_against_the_servers(servers, trainer):
     trainer's side is the real one (megatron_bridge.offload): after the push its storages are released, the
     next training phase gets them back unchanged."""
     from megatron_bridge.loop_adapter import LoopTrainer
-    from rollverify.app.weight_transport import TransportSpec, TransportWeights
+    from rollverify.app.config import load_config
+    from rollverify.app.gpu_memory import MemoryBook
+    from rollverify.app.handoff import Handoff
+    from rollverify.app.plan import make_plan
+    from rollverify.app.weight_transport import ServersMemory, TransportSpec, TransportWeights
+    from rollverify.gpu_ledger import GiB
     from sglang_ext.rollout_engine import SGLangRolloutEngine
     from sglang_ext.weight_transport import ServerControl
 
     log: list[str] = []
 
-    class Recorded(TransportWeights):
-        def _memory(self, action, tags):
+    class Recorded(ServersMemory):
+        def memory(self, action, tags):
             log.append(f"servers {action} {','.join(tags)}")
-            super()._memory(action, tags)
+            super().memory(action, tags)
 
     class Sending(LoopTrainer):  # the loop's trainer, recorded
         def send_weights(self, spec, version, bucket_bytes=None):
@@ -205,9 +210,20 @@ def test_colocated_handoff_order_against_the_servers(servers, trainer):
 
     weights_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     loop_trainer = Sending(trainer, 64 << 10)
+    # the ledger of a fake device: the paper's 8B plan (32 GPUs of 79.6 GiB, its byte figures) records what these
+    # real calls would take and give back there, from the state start-up leaves (servers serving, trainer offloaded)
+    book = MemoryBook(make_plan(load_config("qwen3_8b_base", check_task=False)))
+    for s in book.plan.servers:
+        book.server_started(s.index)
+    book.servers_released(("weights", "kv_cache", "cuda_graph"))
+    with book.trainer_building():
+        pass
+    book.trainer_offloaded(("params", "grads", "optimizer"))
+    book.servers_resumed(("weights", "kv_cache", "cuda_graph"))
     with SGLangRolloutEngine([s.endpoint for s in servers], curve=servers[0].curve, timeout_s=120.0) as engine:
-        weights = Recorded(engine, loop_trainer, "ipc", colocated=True, trainer_memory=loop_trainer,
-                           timeout_s=120.0)
+        handoff = Handoff(book, colocated=True, offloads=True)
+        handoff.servers, handoff.trainer = Recorded(engine, 120.0), loop_trainer
+        weights = TransportWeights(engine, loop_trainer, "ipc", handoff=handoff, timeout_s=120.0)
         engine.pause()
         weights.before_training()
         control = ServerControl(TransportSpec("ipc", tuple(s.endpoint for s in servers), (servers[0].curve,)), [0])
@@ -226,6 +242,14 @@ def test_colocated_handoff_order_against_the_servers(servers, trainer):
         "trainer offload params", "servers resume kv_cache,cuda_graph",
     ]
     assert trainer.memory.offloaded == ("params", "grads", "optimizer")
+    assert book.offloaded == {"params", "grads", "optimizer"} and not handoff.released
+    gpu = (0, 0)  # trainer rank 0 and server 0's first GPU
+    assert set(book.ledger.holders(gpu)) == {"server 0 context", "server 0 weights", "server 0 kv_cache",
+                                             "server 0 cuda_graph", "trainer rank 0 context"}
+    train, sync = book.ledger.peaks["train"][gpu], book.ledger.peaks["sync"][gpu]
+    assert not any("kv_cache" in h for h, _ in train.holders + sync.holders)  # never beside the trainer's state
+    assert {h for h, _ in sync.holders} >= {"server 0 weights", "trainer rank 0 params", "trainer rank 0 bucket"}
+    assert train.nbytes > 20 * GiB and sync.nbytes < 20 * GiB
     assert all(p.untyped_storage().nbytes() == 0 for p in trainer.model.parameters())
     param_bytes = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
     assert pushed["version"] == 21 and pushed["offload/params_bytes"] >= param_bytes  # the push reports the release
@@ -240,12 +264,13 @@ def test_colocated_handoff_order_against_the_servers(servers, trainer):
 def test_a_restarted_server_gets_the_policy_through_the_transport(servers, trainer):
     """`TransportWeights.restore`, the engine's `restore_weights` for a restarted server: the trainer's ranks send
     it the current version over a weight-update group of its own; nothing goes through the driver."""
+    from rollverify.app.handoff import Handoff
     from rollverify.app.weight_transport import TransportWeights
     from sglang_ext.rollout_engine import SGLangRolloutEngine
 
     with SGLangRolloutEngine([s.endpoint for s in servers], curve=servers[0].curve, timeout_s=120.0) as engine:
-        weights = TransportWeights(engine, trainer, "distributed", colocated=False, master_addr="127.0.0.1",
-                                   bucket_bytes=64 << 10, timeout_s=120.0)
+        weights = TransportWeights(engine, trainer, "distributed", handoff=Handoff(colocated=False, offloads=False),
+                                   master_addr="127.0.0.1", bucket_bytes=64 << 10, timeout_s=120.0)
         stats = weights.restore(engine.live_servers()[0], 33)
     assert stats["version"] == 33 and stats["sync_buckets"] > 1
     samples = _sample(servers[0])

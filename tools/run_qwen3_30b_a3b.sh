@@ -6,7 +6,7 @@
 #
 # Start the cluster first (tools/ray_cluster.sh head on one node, worker on the three others); run this on the
 # head. Colocated (default): 8 servers x TP 4 (EP 4) and 32 trainer ranks (tp 4 x dp 8, ep 16, sequence
-# parallel, routing replay) take turns on all 32 GPUs. --disaggregated: the trainer (tp 4 x dp 4, ep 16) on
+# parallel, full recompute with routing replay) take turns on all 32 GPUs. --disaggregated: the trainer (tp 4 x dp 4, ep 16) on
 # nodes 0-1, 4 servers x TP 4 on nodes 2-3. Extra KEY=VALUE
 # arguments go last and win. --plan: print the placement and memory (`rollverify plan`) and stop; needs no
 # GPU, model or data. NOTHING OF THIS HAS RUN ON A GPU (docs/cluster.md says what has).
@@ -22,8 +22,9 @@ parse_paper_args "$@"
 need_paper_inputs
 
 paper_args
-ROLLOUT_ARGS+=(rollout.engine_args.tp_size=4 rollout.engine_args.ep_size=4 rollout.engine_args.max_running_requests=64)
-TRAINER_ARGS+=(trainer.tp=4 trainer.ep=16 trainer.recompute=none trainer.replay_train=true trainer.replay_verify=false)
+ROLLOUT_ARGS+=(rollout.engine_args.tp_size=4 rollout.engine_args.ep_size=4 rollout.engine_args.max_running_requests=64
+              rollout.engine_args.mem_fraction_static=0.85)
+TRAINER_ARGS+=(trainer.tp=4 trainer.ep=16 trainer.recompute=full trainer.replay_train=true trainer.replay_verify=false)
 if [[ "$PLACEMENT" == colocated ]]; then
   ROLLOUT_ARGS+=(rollout.n_servers=8 rollout.max_live=512)
   TRAINER_ARGS+=(trainer.dp=8)

@@ -21,7 +21,8 @@ parse_paper_args "$@"
 need_paper_inputs
 
 paper_args
-ROLLOUT_ARGS+=(rollout.engine_args.tp_size=2 rollout.engine_args.max_running_requests=24)
+# 0.82: room for the parameters when a restarted server gets the policy while the others generate
+ROLLOUT_ARGS+=(rollout.engine_args.tp_size=2 rollout.engine_args.max_running_requests=24 rollout.engine_args.mem_fraction_static=0.82)
 TRAINER_ARGS+=(trainer.tp=2 trainer.recompute=full)
 if [[ "$PLACEMENT" == colocated ]]; then
   ROLLOUT_ARGS+=(rollout.n_servers=16 rollout.max_live=384)

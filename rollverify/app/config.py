@@ -150,6 +150,37 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def absolute_paths(self) -> RunConfig:
+        """Every local path the run reads (`model.path`, `task.options` `*path` keys, `eval.sets`) made absolute
+        here, on the driver, before any node checks it: a relative path means the same file wherever a server or
+        trainer rank runs (Ray workers start in folders of their own). Returns self."""
+        def absolute(value: str) -> str:
+            return str(Path(value).expanduser().absolute())
+
+        m = self.model
+        if m.path is not None:
+            m.path = absolute(m.path)
+        for key, value in self.task.options.items():
+            if key.endswith("path") and isinstance(value, str):
+                self.task.options[key] = absolute(value)
+        for name, spec in self.eval.sets.items():
+            if isinstance(spec, str):
+                self.eval.sets[name] = absolute(spec)
+            elif isinstance(spec, dict) and isinstance(spec.get("path"), str):
+                spec["path"] = absolute(spec["path"])
+        return self
+
+    def check_installed(self) -> None:
+        """Packages the run needs where it starts that validation does not require (so that `rollverify plan`
+        reads any config on any machine): SGLang's memory saver for a colocated GPU run."""
+        if self.rollout.engine_args.get("enable_memory_saver") and importlib.util.find_spec("torch_memory_saver") is None:
+            raise ConfigError(
+                "rollout.engine_args.enable_memory_saver: a colocated GPU run hands each GPU between the SGLang "
+                "servers and the trainer through SGLang's memory saver (release_memory_occupation does nothing "
+                "without it), which needs the torch_memory_saver package; it is not installed here. Install "
+                "sglang's GPU requirements (requirements/gpu.txt), or run with cluster.placement=disaggregated"
+            )
+
     def check_paths(self) -> None:
         """The local files this run reads exist: `model.path` (a Hugging Face folder) and the data files named
         in `task.options` (`*path` keys) and `eval.sets`. Separate from validation so that a dry run can read configs whose
@@ -255,9 +286,6 @@ class RunConfig:
                 "trainer.replay_verify: with algo.verify_on: engine the engines compute the new log-probs with free "
                 "routing; set trainer.replay_verify=false or algo.verify_on=trainer"
             )
-        if t.recompute != "none" and t.replay_train and m.path is None and m.moe:
-            raise ConfigError(f"trainer.recompute: {t.recompute!r} with MoE routing replay is not supported (the "
-                              "recomputed forward would route freely); set it to none or trainer.replay_train=false")
         self._check_cluster()
         if self.log.wandb and importlib.util.find_spec("wandb") is None:
             raise ConfigError(
@@ -288,6 +316,16 @@ class RunConfig:
                 f"servers (here launcher {c.launcher}, placement {c.placement}: the servers keep their memory, so "
                 f"nothing would use what the trainer frees); set it to null or false"
             )
+        saver = self.rollout.engine_args.get("enable_memory_saver")
+        if (c.launcher, c.placement) == ("ray", "colocated") and c.gpus_per_node and not self.rollout.endpoints:
+            # the servers release their GPU memory for the trainer's phases (rollverify.app.handoff); SGLang does
+            # that only through its memory saver (a no-op adapter otherwise)
+            if saver is False:
+                raise ConfigError(
+                    "rollout.engine_args.enable_memory_saver: false, but a colocated GPU run needs it (the servers "
+                    "release their memory to the trainer through it); drop the key or set cluster.placement="
+                    "disaggregated")
+            self.rollout.engine_args["enable_memory_saver"] = True
         if c.placement == "colocated" and c.rollout_gpus:
             raise ConfigError(
                 f"cluster.rollout_gpus: colocated servers share every GPU with the trainer, got {c.rollout_gpus}; "
@@ -396,7 +434,7 @@ def load_config(
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: expected a mapping of sections at the top level")
     try:
-        return RunConfig.from_dict(apply_overrides(raw, list(overrides)), check_task=check_task)
+        return RunConfig.from_dict(apply_overrides(raw, list(overrides)), check_task=check_task).absolute_paths()
     except ConfigError as e:
         where = f"{path}: " if path is not None else ""
         raise ConfigError(f"{where}{e}") from None

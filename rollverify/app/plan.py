@@ -15,15 +15,17 @@ Memory per GPU, in bytes (formulas documented in docs/cluster.md, "What plan cou
 * trainer, per rank of the fullest pipeline stage: bf16 weights (2 B/param), fp32 gradients (4 B/param: the
   trainer reduces gradients in fp32), fp32 main params + Adam moments (12 B/param) sharded by the distributed
   optimizer over data parallel (dense: dp*cp ranks; experts: world / (pp*ep*etp)); activations of one
-  micro-batch of max(micro_batch_tokens, context) tokens (`layer_activation_bytes` per token per layer, all
-  layers held: 1F1B keeps pp micro-batches of L/pp layers on the first stage; selective recompute drops
+  micro-batch of max(micro_batch_tokens, context) tokens (`layer_activation_bytes` per token per layer, counted
+  from what Megatron-Core's layer saves; all layers held: 1F1B keeps pp micro-batches of L/pp layers on the
+  first stage; selective recompute drops
   `selective_freed_bytes`; full recompute keeps each layer's input plus one layer's working set); the final
   hidden states and one log-prob chunk of logits.
 * server: weights / tp_size; KV cache for min(ceil(max_live / n_servers) + n - 1, max_running_requests)
   responses at full context, 2 * layers * max(1, kv_heads / tp) * head_dim * kv_bytes per token per GPU; the KV pool SGLang
   can have is mem_fraction_static * GPU memory - weights (or `max_total_tokens` when set).
-* colocated: rollout and training take turns (each side releases its memory for the other's phase), so each
-  phase's peak plus the other side's idle process must fit; disaggregated: each side on its own GPUs.
+* per phase and GPU: the run's own start-up and phase order (rollverify.app.handoff) replayed on a ledger of
+  the plan's GPUs (rollverify.app.gpu_memory.MemoryBook, with these figures); a GPU that a phase overfills is a
+  problem naming the phase, the GPU and every holder's bytes, and the table prints each phase's peak.
 """
 
 from __future__ import annotations
@@ -36,16 +38,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rollverify.app.config import ConfigError, RunConfig, load_config
+from rollverify.app.gpu_memory import PROCESS_OVERHEAD  # noqa: F401 - per GPU process (tools/gpu_smoke.py reads it)
 from rollverify.app.presets import ARCH_PRESETS
 
 if TYPE_CHECKING:
     from megatron_bridge.model import ModelArch
+    from rollverify.app.gpu_memory import MemoryBook
 
 GiB = 1 << 30
 
-# Per GPU and process, outside what the formulas count: CUDA context, cuBLAS/NCCL workspaces (an assumption,
-# not a measurement; no GPU path of this project has run).
-PROCESS_OVERHEAD = int(1.5 * GiB)
 # SGLang picks mem_fraction_static itself when the config does not; plan assumes this value then.
 DEFAULT_MEM_FRACTION = 0.85
 
@@ -141,9 +142,6 @@ def layout_problems(a: ModelArch, lay: TrainerLayout) -> list[str]:
         out.append(f"trainer.tp = {lay.tp}: the trainer runs MoE under TP only with trainer.sequence_parallel=true "
                    f"and trainer.ep > 1 or trainer.etp > 1 (got sequence_parallel={lay.sequence_parallel}, "
                    f"ep={lay.ep}, etp={lay.etp})")
-    if a.moe and lay.recompute != "none" and lay.replay_train:
-        out.append(f"trainer.recompute = {lay.recompute}: the trainer refuses recompute with MoE routing replay "
-                   "(the recomputed forward would route freely); set it to none or trainer.replay_train=false")
     if (lay.tp * lay.dp * lay.cp) % (lay.ep * lay.etp):
         out.append(f"trainer.ep*etp = {lay.ep * lay.etp} does not divide tp*dp*cp = {lay.tp * lay.dp * lay.cp}")
     return out
@@ -187,31 +185,42 @@ def stage_params(a: ModelArch, lay: TrainerLayout, stage: int) -> ParamCounts:
 
 
 def layer_activation_bytes(a: ModelArch, lay: TrainerLayout) -> int:
-    """Bytes one transformer layer keeps for the backward, per token of this rank's sequence shard.
+    """Bytes one transformer layer keeps for the backward, per token of the micro-batch (bf16, no recompute).
 
-    Korthikanti et al. (2022)'s accounting (Megatron's 34*s*b*h per layer for GPT), redone for the Qwen3 layer in
-    bf16 with attention that keeps no S x S scores: RMSNorm inputs and the QKV / MLP inputs (4h, TP-replicated
-    unless sequence parallel), q/k-norm inputs and rotated Q, K, V, the attention output (3q + 3k, split by TP)
-    and the attention's fp32 log-sum-exp (2 * heads), then SwiGLU: gate+up output and product (3I, split by TP);
-    MoE: each of the top-k copies keeps its input (h, gathered over etp) and 3 * moe_intermediate / etp, plus the
-    fp32 router logits and probabilities (2E * 2).
+    Counted tensor by tensor from what Megatron-Core 0.16.1's local-spec layer saves (and held to a count of the
+    real layer's saved tensors at the Qwen3-8B and Qwen3-30B-A3B shapes, tests/test_activation_bytes.py), with
+    CUDA's fused RMSNorm (input + fp32 reciprocal RMS):
+
+    * replicated over TP unless sequence parallel: the two RMSNorm inputs and their fp32 rstd, the QKV input and
+      the MLP's (dense: fc1 input; MoE: the router's input): 8h + 8;
+    * attention, split by TP: the fused QKV output 2(q + 2k), the q-norm input 2q, rotated Q and K 2q + 2k, the
+      attention output and the output projection's input 2q + 2q, the fp32 log-sum-exp 4 heads and the q/k-norm
+      rstd 4 (heads + kv_heads): 10q + 6k + 8 heads + 4 kv_heads; RoPE's cos/sin 8 head_dim (not split);
+    * dense SwiGLU (`megatron/core/transformer/mlp.py`), split by TP: fc1 output 4I, `x_linear + 0.0` and
+      silu's input 2I + 2I, the fc2 input 2I: 10I;
+    * MoE, per token routed (split over TP with sequence parallelism): each of the top-k copies keeps its
+      permuted input 2h (gathered over etp), its probability 4 and 12 I'/etp (the dense 10 I' plus the product
+      before the probability multiply); the router keeps top-k indices and probabilities, the permutation
+      index (20 k) and the routing map and probabilities over the experts (5 E).
     """
     h, q, k = a.hidden_size, a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-    rep = 2 * 4 * h // (lay.tp if lay.sequence_parallel else 1)
-    attn = (2 * (3 * q + 3 * k) + 4 * a.num_heads) // lay.tp
+    sp = lay.tp if lay.sequence_parallel else 1
+    rep = (8 * h + 8) // sp
+    attn = (10 * q + 6 * k + 8 * a.num_heads + 4 * a.num_kv_heads) // lay.tp + 8 * a.head_dim
     if a.moe:
-        mlp = a.top_k * (2 * h * lay.etp + 6 * a.moe_intermediate_size // lay.etp) + 8 * a.num_experts
-        mlp //= lay.tp if lay.sequence_parallel else 1
+        per_copy = 2 * h * lay.etp + 4 + 12 * a.moe_intermediate_size // lay.etp
+        mlp = (a.top_k * per_copy + 20 * a.top_k + 5 * a.num_experts) // sp
     else:
-        mlp = 6 * a.intermediate_size // lay.tp
+        mlp = 10 * a.intermediate_size // lay.tp
     return rep + attn + mlp
 
 
 def selective_freed_bytes(a: ModelArch, lay: TrainerLayout) -> int:
-    """Per token and layer, what selective recompute drops: the trainer recomputes core attention (its saved
-    softmax statistics: the inputs Q, K, V and the output stay, other layers need them) and, in a dense model,
-    the MLP's inside (gate+up output and product, 3I; the MLP's input stays)."""
-    return 4 * a.num_heads // lay.tp + (0 if a.moe else 6 * a.intermediate_size // lay.tp)
+    """Per token and layer, what selective recompute drops: core attention's output and its fp32 log-sum-exp
+    (its inputs Q, K, V stay: they are the checkpoint's inputs) and, in a dense model, the MLP's inside (10I;
+    the MLP's input stays)."""
+    q = a.num_heads * a.head_dim
+    return (2 * q + 4 * a.num_heads) // lay.tp + (0 if a.moe else 10 * a.intermediate_size // lay.tp)
 
 
 @dataclass(frozen=True)
@@ -225,6 +234,7 @@ class TrainerEstimate:
     activations: int
     logits: int
     tokens: int  # tokens of the largest micro-batch (per CP rank)
+    forward: int = 0  # a no-grad forward's working memory (log-probs): one layer's tensors and the logits chunk
 
     @property
     def total(self) -> int:
@@ -254,6 +264,7 @@ def trainer_memory(a: ModelArch, lay: TrainerLayout, context: int) -> TrainerEst
         activations=acts,
         logits=logits,
         tokens=tokens,
+        forward=tokens * per_layer + logits,
     )
 
 
@@ -296,6 +307,7 @@ class Plan:
     server: ServerMemory
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # observations that do not stop the run
+    book: MemoryBook | None = None  # the replay of the run's phases on a ledger of the GPUs (GPU plans)
 
     def check(self) -> Plan:
         if self.problems:
@@ -396,7 +408,7 @@ def _place(cfg: RunConfig, world: int, n_servers: int, server_gpus: int, problem
 
 
 def _check_memory(p: Plan) -> None:
-    c, s, t, out = p.cfg.cluster, p.server, p.trainer, p.problems
+    c, s, out = p.cfg.cluster, p.server, p.problems
     ea = p.cfg.rollout.engine_args
     if p.cfg.rollout.endpoints:
         p.notes.append("rollout.endpoints: servers someone else runs; their GPUs and memory are not checked here")
@@ -417,46 +429,37 @@ def _check_memory(p: Plan) -> None:
         return
     cap = int(c.gpu_memory_gib * GiB)
     frac = float(ea.get("mem_fraction_static", DEFAULT_MEM_FRACTION))
-    colocated = c.placement == "colocated"
-    train_peak = t.total + PROCESS_OVERHEAD * (2 if colocated else 1)
-    roll_peak = int(frac * cap) + PROCESS_OVERHEAD * (2 if colocated else 1)
     if s.weights > frac * cap and not p.cfg.rollout.endpoints:
         out.append(f"server weights {s.weights / GiB:.1f} GiB per GPU exceed mem_fraction_static x GPU memory "
                    f"= {frac * cap / GiB:.1f} GiB: raise engine_args.tp_size")
-    if train_peak > cap:
-        lay, a = p.layout, p.arch
-        if t.activations > t.weights + t.gradients + t.optimizer:
-            split = "raise trainer.tp (with sequence_parallel)"
-            shorter = "lower trainer.micro_batch_tokens to the context, " if lay.micro_batch_tokens > p.context else ""
-            if lay.recompute == "full":
-                recompute = ""
-            elif a.moe and lay.replay_train:
-                recompute = "(recompute is refused with MoE routing replay) "
-            else:
-                recompute = "set trainer.recompute=full, "
-            fix = (f"activations dominate ({t.tokens} tokens a micro-batch: max(micro_batch_tokens, context)); "
-                   f"{recompute}{split}, {shorter}or shorten the context")
-        else:
-            fix = "weights, gradients and optimizer dominate: raise trainer.tp/pp (or ep for experts) or dp"
-        out.append(
-            f"trainer needs {train_peak / GiB:.1f} GiB per GPU (weights {t.weights / GiB:.1f}, gradients "
-            f"{t.gradients / GiB:.1f}, optimizer {t.optimizer / GiB:.1f}, activations {t.activations / GiB:.1f}, "
-            f"logits {t.logits / GiB:.1f}, overhead {(train_peak - t.total) / GiB:.1f}) of {c.gpu_memory_gib} GiB: {fix}"
-        )
-    if roll_peak > cap and not p.cfg.rollout.endpoints:
-        out.append(f"rollout takes mem_fraction_static {frac} x {c.gpu_memory_gib} GiB plus process overhead = "
-                   f"{roll_peak / GiB:.1f} GiB: lower engine_args.mem_fraction_static")
-    if colocated and not p.cfg.trainer.offloads(c.launcher, c.placement) and not p.cfg.rollout.endpoints:
-        # without the trainer's offload its state stays through rollout; the local launcher's servers keep their
-        # memory through training too
-        kept = t.weights + t.gradients + t.optimizer if c.launcher == "ray" else t.total
-        both = kept + roll_peak
-        if both > cap:
-            fix = ("set trainer.offload_between_phases=null" if c.launcher == "ray" else
-                   "use cluster.launcher=ray (its servers and trainer hand memory over)")
-            out.append(f"colocated without the trainer's offload the trainer keeps {kept / GiB:.1f} GiB while the "
-                       f"servers take {roll_peak / GiB:.1f} GiB: {both / GiB:.1f} of {c.gpu_memory_gib} GiB; {fix}, "
-                       f"or lower engine_args.mem_fraction_static")
+    from rollverify.app.handoff import replay
+
+    p.book = replay(p)
+    seen: set[str] = set()
+    for msg in p.book.ledger.overflows:  # the first GPU that does not fit, per phase
+        phase = msg.split(":", 1)[0]
+        if phase not in seen:
+            seen.add(phase)
+            out.append(f"{msg}; {_fix(p, phase.removeprefix('phase '))}")
+
+
+def _fix(p: Plan, phase: str) -> str:
+    """What to change when a GPU does not fit `phase`."""
+    c, t, lay = p.cfg.cluster, p.trainer, p.layout
+    if c.placement == "colocated" and not p.cfg.trainer.offloads(c.launcher, c.placement):
+        return ("the trainer keeps its memory while the servers hold theirs: set trainer.offload_between_phases="
+                "null" if c.launcher == "ray" else
+                "the local launcher's servers and trainer keep their memory: use cluster.launcher=ray (its servers "
+                "and trainer hand memory over), or lower engine_args.mem_fraction_static")
+    if phase in ("start", "rollout"):
+        return "lower engine_args.mem_fraction_static"
+    if t.activations > t.weights + t.gradients + t.optimizer:
+        split = "raise trainer.tp (with sequence_parallel)"
+        shorter = "lower trainer.micro_batch_tokens to the context, " if lay.micro_batch_tokens > p.context else ""
+        recompute = "" if lay.recompute == "full" else "set trainer.recompute=full, "
+        return (f"activations dominate ({t.tokens} tokens a micro-batch: max(micro_batch_tokens, context)); "
+                f"{recompute}{split}, {shorter}or shorten the context")
+    return "weights, gradients and optimizer dominate: raise trainer.tp/pp (or ep for experts) or dp"
 
 
 def _count(n: int) -> str:
@@ -518,6 +521,8 @@ def render(p: Plan) -> str:
             lines.append("  colocated: one phase at a time, each side releasing its GPU memory for the other's phase")
         elif c.placement == "colocated":
             lines.append("  colocated without the trainer's offload: its state stays on the GPU through rollout")
+        if p.book is not None and p.book.enabled:
+            lines += ["", *p.book.render()]
     else:
         lines.append("  trainer rows: the bf16 GPU formulas, for scale; nothing is checked against RAM")
     lines.append("")

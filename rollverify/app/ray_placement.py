@@ -44,11 +44,11 @@ class RayServerLauncher:
     """Starts server `i` of the plan as an actor on its plan node: `launch(i)` (also the engine's `relaunch`)."""
 
     def __init__(self, cfg: RunConfig, cluster: RayCluster, model_path: str | os.PathLike, log_dir: Path,
-                 keys: RunKeys, startup_timeout_s: float = 300.0) -> None:
+                 keys: RunKeys, startup_timeout_s: float = 1800.0, book=None) -> None:
         import ray
 
         self.cfg, self.cluster, self.model_path, self.log_dir = cfg, cluster, str(model_path), log_dir
-        self.keys, self.startup_timeout_s = keys, startup_timeout_s
+        self.keys, self.startup_timeout_s, self.book = keys, startup_timeout_s, book
         self._actor = ray.remote(max_concurrency=2)(ServerActor)
 
     def engine_args(self, i: int) -> dict[str, Any]:
@@ -82,17 +82,20 @@ class RayServerLauncher:
                 with contextlib.suppress(Exception):
                     ray.kill(a)
             raise ServerStartError("\n".join(errors))
+        if self.book is not None:
+            for i in indices:
+                self.book.server_started(i)
         return servers
 
     def launch(self, i: int) -> RayServer:
         return self.launch_many([i])[0]
 
 
-def start_ray_engine(cfg: RunConfig, cluster: RayCluster, model_path: str | os.PathLike, log_dir: Path):
-    """The rollout engine over `rollout.n_servers` server actors placed by `cluster`, with the run's CURVE keys."""
+def start_ray_engine(cfg: RunConfig, cluster: RayCluster, model_path: str | os.PathLike, log_dir: Path, book=None):
+    """The rollout engine over `rollout.n_servers` server actors placed by `cluster`, with the run's CURVE keys;
+    a server that does not serve within `rollout.server_startup_s` is stopped. `book`: as `start_engine`'s."""
     keys = RunKeys.make()
-    # a server that takes longer than rollout.server_timeout_s to serve is as lost as one that stops answering
-    launcher = RayServerLauncher(cfg, cluster, model_path, log_dir, keys, cfg.rollout.server_timeout_s)
+    launcher = RayServerLauncher(cfg, cluster, model_path, log_dir, keys, cfg.rollout.server_startup_s, book)
     servers = launcher.launch_many(list(range(len(cluster.plan.servers))))
     try:
         check_keys(servers, keys.client())

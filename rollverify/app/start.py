@@ -35,9 +35,11 @@ def start_trainer(cfg: RunConfig, model_path: Path, world_size: int | None = Non
                         setup=quiet_cpu_warnings)
 
 
-def start_engine(cfg: RunConfig, model_path: Path, log_dir: Path):
+def start_engine(cfg: RunConfig, model_path: Path, log_dir: Path, book=None):
     """The rollout engine: `rollout.endpoints` (cleared; the caller pushes its weights) or `rollout.n_servers`
-    servers launched on `model_path`, logging to `log_dir`/server<i>.log (`rollverify train` and `eval`)."""
+    servers launched on `model_path`, logging to `log_dir`/server<i>.log (`rollverify train` and `eval`); a
+    launch that takes longer than `rollout.server_startup_s` is stopped. `book` (rollverify.app.gpu_memory):
+    each server's memory is recorded when it serves."""
     from sglang_ext import cpu_compat
     from sglang_ext.launch import launch_server
     from sglang_ext.rollout_engine import SGLangRolloutEngine
@@ -52,7 +54,11 @@ def start_engine(cfg: RunConfig, model_path: Path, log_dir: Path):
     cpu_compat.activate()
 
     def launch(i: int):
-        return launch_server(model_path, engine_args=dict(r.engine_args), log_path=log_dir / f"server{i}.log")
+        server = launch_server(model_path, engine_args=dict(r.engine_args), log_path=log_dir / f"server{i}.log",
+                               startup_timeout_s=r.server_startup_s)
+        if book is not None:
+            book.server_started(i)
+        return server
 
     servers = []
     try:

@@ -38,6 +38,10 @@ class Run:
     def __init__(self, cfg: RunConfig, out: Path) -> None:
         from transformers import AutoTokenizer
 
+        from rollverify.app.gpu_memory import MemoryBook
+        from rollverify.app.handoff import MeteredTrainer, make_handoff, start_run
+        from rollverify.app.plan import make_plan
+
         self.cfg, self.out = cfg, out
         self.model_path = resolve_model(cfg)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
@@ -46,32 +50,35 @@ class Run:
         self.score = task_reward(self.task, cfg.task.reward)
         self.evaluator = build_evaluator(cfg, self.task, self.tokenizer, self.score) if cfg.eval.every else None
         self.cluster = None  # rollverify.app.cluster.RayCluster with cluster.launcher: ray
-        self.engine = self._start_engine()
+        self.plan = make_plan(cfg).check()
+        # every GPU's holders, recorded where the run asks for the memory (rollverify.app.gpu_memory)
+        self.book = MemoryBook(self.plan)
+        self.handoff = make_handoff(cfg, self.book)
         try:
-            with stage("trainer") as st:
-                self.trainer = self._start_trainer()
-                st.detail = f"Megatron-Core, world size {cfg.trainer.world_size}"
-            # a restarted server gets the current policy through this process (the local launcher; a cluster
-            # run's transport takes over below)
+            self.engine, self.trainer, weights = start_run(cfg, self.handoff, self._start_engine,
+                                                           self._staged_trainer, self._servers_side,
+                                                           self._weight_sync)
+        except BaseException:
+            self._close_cluster()
+            raise
+        try:
+            # a restarted server gets the current policy through this process (the local launcher) or through
+            # the run's transport
             self.engine.restart_weights(source=self.trainer.export_weights)
+            if hasattr(weights, "restore"):
+                self.engine.restart_weights(restore=weights.restore)
             if cfg.rollout.endpoints:
                 self.engine.update_weights(self.trainer.export_weights(), 0)
         except BaseException:
-            try:
-                self.engine.close(shutdown=not cfg.rollout.endpoints)
-            finally:
-                self._close_cluster()
+            self.close()
             raise
         self._train_examples: list = []
         self._stream = self.task.stream("train", seed=cfg.seed)
-        weights = self._weight_sync()
-        if weights is not None:  # a restarted server gets the current policy through the run's transport
-            self.engine.restart_weights(restore=weights.restore)
         self.loop = Loop(
             cfg.rollout,
             cfg.algo,
             self.engine,
-            self.trainer,
+            MeteredTrainer(self.trainer, self.book, measure=cfg.cluster.gpus_per_node > 0),
             make_group=self.make_group,
             reward=self.reward,
             weights=weights,
@@ -82,21 +89,38 @@ class Run:
     def _start_engine(self):
         if self.cfg.cluster.launcher == "ray":  # trainer ranks and servers as actors of one placement group
             from rollverify.app.cluster import RayCluster, files_read
-            from rollverify.app.plan import check as check_plan
             from rollverify.app.ray_placement import start_ray_engine
 
             with stage("ray cluster") as st:
-                self.cluster = RayCluster.start(check_plan(self.cfg), files_read(self.cfg, self.model_path))
+                self.cluster = RayCluster.start(self.plan, files_read(self.cfg, self.model_path))
                 st.detail = ", ".join(self.cluster.node_name(k) for k in range(len(self.cluster.nodes)))
             try:
                 with stage("servers") as st:
-                    engine = start_ray_engine(self.cfg, self.cluster, self.model_path, self.out)
+                    engine = start_ray_engine(self.cfg, self.cluster, self.model_path, self.out, self.book)
                     st.detail = f"{len(self.cluster.plan.servers)} SGLang server actor(s), CURVE keys of this run"
                 return engine
             except BaseException:
                 self._close_cluster()
                 raise
-        return start_engine(self.cfg, self.model_path, self.out)
+        return start_engine(self.cfg, self.model_path, self.out, self.book)
+
+    def _servers_side(self, engine):
+        """The handoff's server side: the engine's live servers release and resume their memory."""
+        from rollverify.app.weight_transport import ServersMemory
+
+        return ServersMemory(engine, self.cfg.rollout.server_timeout_s)
+
+    def _staged_trainer(self):
+        with stage("trainer") as st:
+            trainer = self._start_trainer()
+            st.detail = f"Megatron-Core, world size {self.cfg.trainer.world_size}"
+        return trainer
+
+    def _weight_sync(self, engine, trainer):
+        """The run's `WeightSync` (rollverify.app.handoff.make_weights)."""
+        from rollverify.app.handoff import make_weights
+
+        return make_weights(self.cfg, engine, trainer, self.handoff)
 
     def _start_trainer(self):
         from megatron_bridge.loop_adapter import LoopTrainer
@@ -108,18 +132,6 @@ class Run:
                                                  dtype=self.cfg.model.dtype, seed=self.cfg.seed,
                                                  setup=quiet_cpu_warnings))
         return LoopTrainer(start_trainer(self.cfg, self.model_path))
-
-    def _weight_sync(self):
-        """The transport of the cluster layout (the local launcher: None, the loop's in-memory buckets); the
-        trainer offloads between phases where `trainer.offload_between_phases` says (a colocated Ray run)."""
-        from rollverify.app.weight_transport import weight_sync_for
-
-        c = self.cfg.cluster
-        tp = int(self.cfg.rollout.engine_args.get("tp_size", 1))
-        memory = self.trainer if self.cfg.trainer.offloads(c.launcher, c.placement) else None
-        return weight_sync_for(c.launcher, c.placement, self.engine, self.trainer, server_tp=tp,
-                               trainer_ranks=self.cfg.trainer.world_size, timeout_s=self.cfg.rollout.server_timeout_s,
-                               trainer_memory=memory)
 
     def _close_cluster(self) -> None:
         if self.cluster is not None:
@@ -144,8 +156,17 @@ class Run:
         return self.evaluator.run(self.engine, tag=f"eval{self.loop.step}")
 
     def export(self) -> Path:
-        """The current policy as a Hugging Face folder DIR/hf/step_N."""
-        return export_trainer(self.trainer, self.model_path, export_dir(self.out, self.loop.step))
+        """The current policy as a Hugging Face folder DIR/hf/step_N (colocated: while the servers have released
+        their KV pool, rollverify.app.handoff)."""
+        from rollverify.app.handoff import EXPORT_KINDS
+
+        with self._trainer_turn("export", EXPORT_KINDS, bucket=True):
+            return export_trainer(self.trainer, self.model_path, export_dir(self.out, self.loop.step))
+
+    def _trainer_turn(self, phase: str, kinds: tuple[str, ...], bucket: bool = False):
+        if self.handoff.colocated:
+            self.loop.pause_engines()  # a server releases memory only while idle
+        return self.handoff.trainer_turn(phase, kinds, bucket=bucket)
 
     # --- checkpoints --------------------------------------------------------------------------------------
 
@@ -153,7 +174,10 @@ class Run:
         d = self.out / CKPT
         tmp = self.out / (CKPT + ".tmp")
         tmp.mkdir(parents=True, exist_ok=True)
-        self.trainer.save(str(tmp / "trainer"))
+        from rollverify.app.handoff import CHECKPOINT_KINDS
+
+        with self._trainer_turn("checkpoint", CHECKPOINT_KINDS):
+            self.trainer.save(str(tmp / "trainer"))
         self.loop.buffer.save(tmp / "buffer.npz")
         (tmp / "loop.json").write_text(json.dumps(self.loop.state(), indent=1) + "\n")
         if d.exists():
@@ -166,10 +190,13 @@ class Run:
         d = src / CKPT
         if not (d / "loop.json").is_file():
             raise FileNotFoundError(f"--resume {src}: no {CKPT}/loop.json there (was it a run directory?)")
-        self.trainer.load(str(d / "trainer"))
+        from rollverify.app.handoff import CHECKPOINT_KINDS
+
+        with self._trainer_turn("restore", CHECKPOINT_KINDS):
+            self.trainer.load(str(d / "trainer"))
         self.loop.restore(json.loads((d / "loop.json").read_text()), RolloutBuffer.load(d / "buffer.npz"))
-        # the engines start from the initial weights: bring them to the restored policy
-        self.engine.update_weights(self.trainer.export_weights(), self.loop.version)
+        # the engines start from the initial weights: bring them to the restored policy, the run's own way
+        self.loop.weights.push(self.loop.version)
 
     def close(self) -> None:
         try:
@@ -197,9 +224,11 @@ def train(
     what is wrong."""
     from rollverify.app.plan import check as check_plan
 
+    cfg.absolute_paths()
     check_plan(cfg)
     cfg.check_paths()
-    out = rundir.claim(out, resume=resume, overwrite=overwrite)
+    cfg.check_installed()
+    out = rundir.claim(Path(out).expanduser().absolute(), resume=resume, overwrite=overwrite)
     quiet_cpu_warnings()
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1) + "\n")
@@ -283,6 +312,7 @@ def cli_main(argv: list[str] | None = None) -> int:
     try:  # what the user gave is checked before any server or trainer starts and before anything is written
         cfg = load_config(a.config, a.overrides)
         cfg.check_paths()
+        cfg.check_installed()
         if not a.overwrite:  # cheap, so first; with --overwrite, train() checks the folder and then clears it
             rundir.claim(out, resume=a.resume)
         from rollverify.app.plan import check as check_plan

@@ -17,14 +17,18 @@ over TP/EP when it is built), so no process holds a whole copy of the model. `Tr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from megatron_bridge.weight_sync import TransportSink, broadcast_sender, ipc_sender, join_weight_group
 from sglang_ext.client import CurveKeys
 from sglang_ext.pool import ServerAddress
 from sglang_ext.tensor_payload import serialize_flattened
 from sglang_ext.weight_transport import ServerControl
+
+if TYPE_CHECKING:
+    from rollverify.app.handoff import Handoff
 
 TransportKind = Literal["in_memory", "distributed", "ipc"]
 
@@ -89,38 +93,61 @@ class TransportSpec:
         return self.server_tp[server] if self.server_tp else 1
 
 
-MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+class ServersMemory:
+    """The handoff's server side: every live server of `engine` releases or resumes SGLang's memory of `tags`
+    (the `memory` call of docs/protocol.md), over control connections of its own."""
+
+    def __init__(self, engine: Any, timeout_s: float = 300.0) -> None:
+        self.engine, self.timeout_s = engine, timeout_s
+
+    def memory(self, action: str, tags: list[str]) -> None:
+        live = self.engine.live_servers()
+        spec = TransportSpec("ipc", tuple(s.endpoint for s in live), tuple(s.curve for s in live),
+                             timeout_s=self.timeout_s)
+        control = ServerControl(spec, list(range(len(spec.endpoints))))
+        try:
+            control.call_all("memory", {"action": action, "tags": tags}, f"memory {action} {tags}")
+        finally:
+            control.close()
 
 
 class TransportWeights:
     """The loop's `WeightSync` for a cluster: the trainer's ranks stream each version straight to the servers
-    (`kind` distributed or ipc), and with `colocated` the servers and the trainer hand GPU memory to each other.
+    (`kind` distributed or ipc); colocated, the servers and the trainer hand GPU memory to each other in
+    `handoff`'s order (rollverify.app.handoff: before training the servers release weights, KV cache and CUDA
+    graphs and the trainer reloads; a push offloads the trainer's gradients and optimizer state, resumes the
+    servers' weights, sends the buckets, offloads the trainer's parameters and resumes the servers' KV cache
+    and CUDA graphs), so the two never hold their big allocations at once.
 
-    Colocated order (after slime's, on SGLang 0.5.23's release/resume):
+    The handoff's trainer side is the trainer's `offload(kinds)` / `reload()` (`megatron_bridge.loop_adapter.
+    LoopTrainer` over `megatron_bridge.offload`); its server side defaults to `ServersMemory` over `engine`.
+    `live` lists the servers to send to (default: the engine's live ones)."""
 
-        before_training: servers release weights, KV cache, CUDA graphs -> trainer reloads its state
-        push(version):   trainer offloads gradients and optimizer state -> servers resume weights ->
-                         buckets (IPC) -> trainer offloads its parameters -> servers resume KV cache, CUDA graphs
-
-    so the two never hold their big allocations at once: released weights come back undefined, and the push
-    that follows their resume fills them. `trainer_memory` offloads and reloads the trainer's state on every rank
-    (`offload(kinds)`, `reload()`: `megatron_bridge.loop_adapter.LoopTrainer` over `megatron_bridge.offload`);
-    without one (`trainer.offload_between_phases: false`) the trainer keeps its memory."""
-
-    def __init__(self, engine: Any, trainer: Any, kind: Literal["distributed", "ipc"], *, colocated: bool,
+    def __init__(self, engine: Any, trainer: Any, kind: Literal["distributed", "ipc"], *, handoff: Handoff,
                  server_tp: int = 1, master_addr: str | None = None, backend: str | None = None,
-                 bucket_bytes: int = 64 << 20, timeout_s: float = 300.0, trainer_memory: Any = None,
-                 trainer_ranks: int = 1) -> None:
-        self.engine, self.trainer, self.kind, self.colocated = engine, trainer, kind, colocated
+                 bucket_bytes: int = 64 << 20, timeout_s: float = 300.0, trainer_ranks: int = 1,
+                 live: Callable[[], list[ServerAddress]] | None = None) -> None:
+        self.engine, self.trainer, self.kind = engine, trainer, kind
         self.trainer_ranks = trainer_ranks
         self.server_tp, self.master_addr, self.backend = server_tp, master_addr, backend
-        self.bucket_bytes, self.timeout_s, self.trainer_memory = bucket_bytes, timeout_s, trainer_memory
+        self.bucket_bytes, self.timeout_s = bucket_bytes, timeout_s
+        if handoff.servers is None:
+            handoff.servers = ServersMemory(engine, timeout_s)
+        self.handoff = handoff
+        self.live = live or engine.live_servers
         self._group: tuple[tuple[str, ...], str] | None = None  # endpoints of the current group and its name
-        self.released = False
+
+    @property
+    def colocated(self) -> bool:
+        return self.handoff.colocated
+
+    @property
+    def released(self) -> bool:
+        return bool(self.handoff.released)
 
     def spec(self) -> TransportSpec:
         """The live servers' spec; a new weight-update group whenever the set of servers changed."""
-        live = self.engine.live_servers()
+        live = self.live()
         endpoints = tuple(s.endpoint for s in live)
         if self._group is None or self._group[0] != endpoints:
             self._group = (endpoints, _group_name())
@@ -140,38 +167,22 @@ class TransportWeights:
         """A restarted server (the engine's `restore_weights`: a server serving the original checkpoint) gets
         `version` through this transport from the trainer's ranks, like a push: over a weight-update group of
         its own (distributed; the next push forms a new group with every live server), or from the rank on its
-        first GPU (ipc). While the trainer is offloaded its parameters come back for the send only."""
-        return self.trainer.send_weights(self._spec_of([server], _group_name()), version, self.bucket_bytes)
+        first GPU (ipc). While the trainer is offloaded its parameters come back for the send only, on every
+        rank: colocated on GPUs beside the other servers' KV pools, which the ledger records (and refuses where
+        they do not fit: the servers are generating, so they cannot release their pools for it)."""
+        with self.handoff.book.resident(("params",)), self.handoff.book.computing("bucket"):
+            return self.trainer.send_weights(self._spec_of([server], _group_name()), version, self.bucket_bytes)
 
     def before_training(self) -> None:
-        if not self.colocated:
-            return
-        self._memory("release", list(MEMORY_TAGS))
-        self.released = True
-        if self.trainer_memory is not None:
-            self.trainer_memory.reload()
+        self.handoff.before_training()
 
     def push(self, version: int) -> dict[str, float]:
-        offloading = self.colocated and self.trainer_memory is not None
-        released = self.trainer_memory.offload(("grads", "optimizer")) if offloading else {}
-        if self.released:
-            self._memory("resume", ["weights"])
-        stats = self.trainer.send_weights(self.spec(), version, self.bucket_bytes)
-        self.engine.committed(version)
-        if offloading:
-            released = {**released, **self.trainer_memory.offload(("params",))}
-        if self.released:
-            self._memory("resume", ["kv_cache", "cuda_graph"])
-            self.released = False
-        return {**stats, **released}
+        def send() -> dict[str, float]:
+            stats = self.trainer.send_weights(self.spec(), version, self.bucket_bytes)
+            self.engine.committed(version)
+            return stats
 
-    def _memory(self, action: str, tags: list[str]) -> None:
-        spec = self.spec()
-        control = ServerControl(spec, list(range(len(spec.endpoints))))
-        try:
-            control.call_all("memory", {"action": action, "tags": tags}, f"memory {action} {tags}")
-        finally:
-            control.close()
+        return self.handoff.push(send)
 
 
 def _group_name() -> str:
@@ -186,4 +197,4 @@ def weight_sync_for(launcher: str, placement: str, engine: Any, trainer: Any, *,
     kind = transport_for(launcher, placement)
     if kind == "in_memory":
         return None
-    return TransportWeights(engine, trainer, kind, colocated=placement == "colocated", server_tp=server_tp, **kwargs)
+    return TransportWeights(engine, trainer, kind, server_tp=server_tp, **kwargs)

@@ -1,0 +1,229 @@
+"""`MemoryBook`: what each server and trainer rank of a plan takes from its GPUs, recorded on a `GpuLedger`.
+
+The book turns the run's events into ledger entries on the plan's (node, GPU) slots, with the byte figures of
+`rollverify.app.plan` (one set of formulas for the plan's table, the replay and a running job):
+
+    holder                              bytes per GPU                                 taken / given back
+    server i context                    PROCESS_OVERHEAD                              start / stop
+    server i weights                    its weights / tp                              start, resume / release
+    server i kv_cache                   its KV pool (mem_fraction_static x GPU -      start, resume / release
+                                        weights, or max_total_tokens)
+    server i cuda_graph                 CUDA_GRAPH_BYTES (0 with disable_cuda_graph)  start, resume / release
+    trainer rank r context              PROCESS_OVERHEAD                              built
+    trainer rank r params/grads/optim.  TrainerEstimate's                             built, reload / offload
+    trainer rank r DDP copy-in          its bf16 params once more, while DDP copies   while built
+                                        them into its buffer
+    trainer rank r activations          TrainerEstimate.activations + logits          train_step
+    trainer rank r forward              TrainerEstimate.forward                       compute_logprobs
+    trainer rank r bucket               the push's bucket                             weight push, export
+
+The driver calls the book where it asks a component to take or give back memory (server launch, the handoff's
+release / resume / offload / reload, a trainer call that needs its state resident); `replay` runs the run's own
+start-up and phase order (rollverify.app.handoff) on a book whose sides do nothing, which is how `plan` gets
+each phase's peak. A CPU plan (`gpus_per_node: 0`) has no slots: the book records nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
+
+from rollverify.gpu_ledger import GiB, GpuLedger, Peak, Slot
+
+if TYPE_CHECKING:
+    from rollverify.app.plan import Plan
+
+SERVER_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang 0.5.23's memory tags
+TRAINER_KINDS = ("params", "grads", "optimizer")  # megatron_bridge.offload.KINDS
+PHASES = ("start", "rollout", "train", "verify", "sync", "checkpoint", "export", "restore")
+# Per GPU and process, outside what the formulas count: CUDA context, cuBLAS/NCCL workspaces (an assumption, not a
+# measurement; held against mem_get_info on a GPU run). `rollverify.app.plan.PROCESS_OVERHEAD` is this figure.
+PROCESS_OVERHEAD = int(1.5 * GiB)
+# SGLang captures its CUDA graphs outside mem_fraction_static; an assumption (no GPU path of this project has
+# measured it), checked against mem_get_info on a GPU run
+CUDA_GRAPH_BYTES = 2 * GiB
+
+
+class MemoryBook:
+    """The plan's servers and trainer ranks on a ledger of its GPUs; see the module docstring."""
+
+    def __init__(self, plan: Plan, *, strict: bool = True, bucket_bytes: int = 64 << 20,
+                 ledger: GpuLedger | None = None) -> None:
+        c, s, t = plan.cfg.cluster, plan.server, plan.trainer
+        self.plan = plan
+        self.server_slots = {x.index: [(x.node, g) for g in x.gpus] for x in plan.servers}
+        self.rank_slots = {r: (n, g) for r, (n, g) in enumerate(plan.ranks) if g is not None}
+        slots = sorted({*self.rank_slots.values(), *(g for v in self.server_slots.values() for g in v)})
+        self.ledger = ledger or GpuLedger({g: int(c.gpu_memory_gib * GiB) for g in slots}, strict=strict)
+        ea = plan.cfg.rollout.engine_args
+        self.server_bytes = {
+            "context": PROCESS_OVERHEAD,
+            "weights": s.weights,
+            "kv_cache": s.kv_pool_tokens * s.kv_bytes_per_token,
+            "cuda_graph": 0 if ea.get("disable_cuda_graph") else CUDA_GRAPH_BYTES,
+        }
+        self.trainer_bytes = {"context": PROCESS_OVERHEAD, "params": t.weights, "grads": t.gradients,
+                              "optimizer": t.optimizer}
+        self.activations, self.forward, self.bucket_bytes = t.activations + t.logits, t.forward, bucket_bytes
+        self.offloaded: set[str] = set()  # the trainer's kinds off the GPU (mirrors megatron_bridge.offload)
+        self.released: dict[int, set[str]] = {}  # server -> tags released
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.ledger.slots())
+
+    def enter(self, phase: str) -> None:
+        self.ledger.enter(phase)
+
+    @property
+    def phase(self) -> str:
+        return self.ledger.phase
+
+    # --- servers --------------------------------------------------------------------------------------------
+
+    def server_started(self, i: int) -> None:
+        """Server i serves: its context, weights, KV pool and CUDA graphs on each of its GPUs."""
+        self.released[i] = set()
+        for name in ("context", *SERVER_TAGS):
+            self._servers([i], name, True)
+
+    def server_stopped(self, i: int) -> None:
+        for name in ("context", *SERVER_TAGS):
+            self._servers([i], name, False)
+        self.released.pop(i, None)
+
+    def servers_released(self, tags: Iterable[str], servers: Iterable[int] | None = None) -> None:
+        for i in self._which(servers):
+            for tag in tags:
+                self.released[i].add(tag)
+                self._servers([i], tag, False)
+
+    def servers_resumed(self, tags: Iterable[str], servers: Iterable[int] | None = None) -> None:
+        for i in self._which(servers):
+            for tag in tags:
+                self.released[i].discard(tag)
+                self._servers([i], tag, True)
+
+    def _which(self, servers: Iterable[int] | None) -> list[int]:
+        return list(self.released) if servers is None else list(servers)
+
+    def _servers(self, servers: list[int], name: str, on: bool) -> None:
+        for i in servers:
+            for slot in self.server_slots.get(i, []):
+                if on:
+                    self.ledger.hold(slot, f"server {i} {name}", self.server_bytes[name])
+                else:
+                    self.ledger.drop(slot, f"server {i} {name}")
+
+    # --- trainer --------------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def trainer_building(self) -> Iterator[None]:
+        """Megatron's DDP allocates its parameter and gradient buffers and copies the parameters in (both copies
+        held for a moment), then the optimizer its fp32 main parameters and moments."""
+        self.offloaded.clear()
+        for name in ("context", "params", "grads"):
+            self._ranks(name, self.trainer_bytes[name])
+        self._ranks("DDP copy-in", self.trainer_bytes["params"])
+        yield
+        self._ranks("DDP copy-in", None)
+        self._ranks("optimizer", self.trainer_bytes["optimizer"])
+
+    def trainer_offloaded(self, kinds: Iterable[str]) -> None:
+        for k in kinds:
+            self.offloaded.add(k)
+            self._ranks(k, None)
+
+    def trainer_reloaded(self, kinds: Iterable[str] | None = None) -> None:
+        for k in list(self.offloaded if kinds is None else kinds):
+            self.offloaded.discard(k)
+            self._ranks(k, self.trainer_bytes[k])
+
+    @contextlib.contextmanager
+    def resident(self, kinds: Iterable[str]) -> Iterator[None]:
+        """The trainer brings `kinds` back for one call and offloads them after (`TrainerMemory.resident`)."""
+        brought = [k for k in kinds if k in self.offloaded]
+        self.trainer_reloaded(brought)
+        try:
+            yield
+        finally:
+            self.trainer_offloaded(brought)
+
+    @contextlib.contextmanager
+    def computing(self, what: str) -> Iterator[None]:
+        """A trainer call's working memory for its duration: `train` (activations of one micro-batch and its
+        logits chunk), `forward` (a no-grad forward), `bucket` (a gathered weight bucket)."""
+        name, nbytes = {"train": ("activations", self.activations), "forward": ("forward", self.forward),
+                        "bucket": ("bucket", self.bucket_bytes)}[what]
+        self._ranks(name, nbytes)
+        try:
+            yield
+        finally:
+            self._ranks(name, None)
+
+    def _ranks(self, name: str, nbytes: int | None) -> None:
+        for r, slot in self.rank_slots.items():
+            if nbytes is None:
+                self.ledger.drop(slot, f"trainer rank {r} {name}")
+            else:
+                self.ledger.hold(slot, f"trainer rank {r} {name}", nbytes)
+
+    # --- measurement ----------------------------------------------------------------------------------------
+
+    def compare(self, rank: int, report: dict) -> None:
+        """A trainer rank's `memory_report` (CUDA only: torch.cuda.memory_allocated, mem_get_info) against the
+        ledger: the rank's own entries, and everything on its GPU."""
+        slot = self.rank_slots.get(rank)
+        if slot is None or not report:
+            return
+        mine = sum(b for h, b in self.ledger.holders(slot).items() if h.startswith(f"trainer rank {rank} ")
+                   and not h.endswith(" context"))
+        self.ledger.compare(slot, int(report["allocated"]), mine, what=f"trainer rank {rank} memory_allocated")
+        self.ledger.compare(slot, int(report["total"] - report["free"]), what="in use (mem_get_info)")
+
+    # --- the plan's table -----------------------------------------------------------------------------------
+
+    def gpu_classes(self) -> dict[str, list[Slot]]:
+        """Slots grouped by what they host (trainer rank, a server's first GPU or another of its GPUs)."""
+        first = {g[0] for g in self.server_slots.values() if g}
+        ranks = set(self.rank_slots.values())
+        out: dict[str, list[Slot]] = {}
+        for slot in self.ledger.slots():
+            server = [i for i, gs in self.server_slots.items() if slot in gs]
+            what = ["trainer rank"] if slot in ranks else []
+            if server:
+                what.append("server (TP rank 0)" if slot in first else "server (TP rank > 0)")
+            out.setdefault(" + ".join(what), []).append(slot)
+        return out
+
+    def phase_peaks(self) -> dict[str, dict[str, Peak]]:
+        """class -> phase -> the largest peak over that class's slots."""
+        self.ledger.settle()
+        out: dict[str, dict[str, Peak]] = {}
+        for name, slots in self.gpu_classes().items():
+            row = out[name] = {}
+            for phase, peaks in self.ledger.peaks.items():
+                got = [peaks[s] for s in slots if s in peaks]
+                if got:
+                    row[phase] = max(got, key=lambda p: p.nbytes)
+        return out
+
+    def render(self) -> list[str]:
+        phases = [p for p in PHASES if p in self.ledger.peaks] + [p for p in self.ledger.phases if p not in PHASES]
+        cap = self.plan.cfg.cluster.gpu_memory_gib
+        classes = self.gpu_classes()
+        labels = {name: f"{name} ({len(slots)} GPUs)" for name, slots in classes.items()}
+        width = max(len(x) for x in labels.values()) + 1
+        lines = [f"peak per GPU by phase (GiB of {cap}), replayed through the run's start-up and phase order",
+                 "  " + "GPU".ljust(width) + "".join(f"{p:>11}" for p in phases)]
+        worst: tuple[float, str, str, Peak] | None = None
+        for name, row in self.phase_peaks().items():
+            cells = "".join(f"{row[p].nbytes / GiB:>11.1f}" if p in row else f"{'':>11}" for p in phases)
+            lines.append("  " + labels[name].ljust(width) + cells)
+            for p, peak in row.items():
+                if worst is None or peak.nbytes > worst[0]:
+                    worst = (peak.nbytes, name, p, peak)
+        if worst is not None:
+            lines.append(f"  highest: {worst[1]}, phase {worst[2]}: {worst[3].describe()}")
+        return lines
