@@ -60,7 +60,23 @@ def _sink(servers):
 
     spec = TransportSpec("ipc", tuple(s.endpoint for s in servers), timeout_s=20.0)
     control = ServerControl(spec, list(range(len(servers))))
-    return TransportSink(control, lambda flat, meta, i: control.announce(i, meta, [f"b{i}".encode()]))
+    return TransportSink(control, _Labels(control, len(servers)))
+
+
+class _Labels:
+    """A sender whose payloads are labels: bucket i carries b"b{i}" to every server."""
+
+    def __init__(self, control, n: int):
+        self.control, self.n = control, n
+
+    def prepare(self, flat, meta, index):
+        return {s: [f"b{index}".encode()] for s in range(self.n)}
+
+    def send(self, prepared, meta, index):
+        self.control.announce(index, meta, prepared)
+
+    def finish(self):
+        pass
 
 
 def _stream(servers, version: int) -> None:
@@ -90,8 +106,9 @@ def test_a_failure_on_one_server_aborts_all_and_blocks_launching_until_a_whole_v
         sink = _sink([a, b])
         sink.begin(5)
         sink.push(BUCKETS[0])
+        sink.push(BUCKETS[1])  # pipelined: bucket 1's failure shows when bucket 2 waits for it
         with pytest.raises(RuntimeError, match=rf"bucket 1 of version 5 failed on 1 of 2 server\(s\): {b.endpoint}"):
-            sink.push(BUCKETS[1])
+            sink.push(BUCKETS[2])
         for s in (a, b):
             assert _version(s) == 0 and "partly loaded" in s.server.records.blocked
             assert s.engine.calls[-1] == "end" and "flush" not in s.engine.calls
