@@ -170,3 +170,23 @@ def test_memory_handoff_bookkeeping():
             control.close()
         assert a.engine.calls == ["release weights,kv_cache,cuda_graph", "resume weights",
                                   "resume kv_cache,cuda_graph"]
+
+
+def test_a_paper_push_takes_one_data_collective_one_host_sync_and_one_round_trip_per_bucket():
+    """tools/push_ops.py counts the real push (Qwen3-30B-A3B's layout: TP 4, EP 16, servers of TP 4) on meta
+    tensors: per bucket one all-gather of shards (none for buckets of replicated tensors), one gather of the
+    TP ranks' IPC payloads, one finite check read back and one message to the server; with buckets that hold a
+    layer's experts, each layer's 128 experts come in one all-gather over the EP group."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import push_ops
+
+    r = push_ops.push_counts("configs/qwen3_30b_a3b_base.yaml", 1280 << 20)
+    n, detail = r["buckets"], r["detail"]
+    assert r["tensors"] == 48 * (128 * 3 + 9) + 3 and r["payloads"] == n * 1  # this rank's own, one a bucket
+    data = {k: v for k, v in detail.items() if k.startswith("collectives:all_gather")}
+    assert sum(data.values()) <= n and detail["collectives:all_gather@etp_ep"] == 48  # one a layer
+    assert detail["collectives:gather_object@ipc"] == n and detail["collectives:barrier@ipc"] == 1
+    assert r["host_syncs"] == n and detail["round_trips:bucket"] == n and r["round_trips_per_server"] == n + 2
