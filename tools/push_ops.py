@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import sys
 from collections import Counter
 from pathlib import Path
 
