@@ -22,6 +22,7 @@ the full tensor), so the peak extra memory is one tensor.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -154,6 +155,40 @@ def _tp_split(entry: Entry, lay: Layout) -> tuple[int, int]:
     return lay.tp, lay.tp_rank
 
 
+# Transformer Engine's layer spec (megatron_bridge.throughput) names some parameters differently from the local
+# spec this table uses: the norm before a linear layer is fused into it, and grouped experts are one module
+_TE_NAMES = (
+    (re.compile(r"^(decoder\.layers\.\d+\.)input_layernorm\.weight$"), r"\1self_attention.linear_qkv.layer_norm_weight"),
+    (re.compile(r"^(decoder\.layers\.\d+\.)pre_mlp_layernorm\.weight$"), r"\1mlp.linear_fc1.layer_norm_weight"),
+    (re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)local_experts\.(\d+)\.(linear_fc[12])\.weight$"),
+     r"\1\3.weight\2"),
+)
+
+
+def te_name(name: str) -> str:
+    """The Transformer Engine layer spec's name of local-spec parameter `name` (the same where nothing is fused)."""
+    for pattern, repl in _TE_NAMES:
+        if pattern.match(name):
+            return pattern.sub(repl, name)
+    return name
+
+
+class Params(dict):
+    """A model's named parameters, looked up by local-spec name whichever spec built the model."""
+
+    def key(self, name: str) -> str:
+        if dict.__contains__(self, name):
+            return name
+        other = te_name(name)
+        return other if dict.__contains__(self, other) else name
+
+    def __contains__(self, name) -> bool:
+        return dict.__contains__(self, self.key(name))
+
+    def __getitem__(self, name: str):
+        return dict.__getitem__(self, self.key(name))
+
+
 # ----------------------------------------------------------------------------------------------- loading
 
 
@@ -265,7 +300,7 @@ def load_hf_checkpoint(model, path: str | Path, arch: ModelArch | None = None, l
     model = unwrap(model)
     reader = _Reader(path)
     _check_shapes(reader, arch, path)
-    params = dict(model.named_parameters())
+    params = Params(model.named_parameters())
     plan = []
     for e in _entries(arch):
         local = _local_name(e, arch, lay)
@@ -277,7 +312,7 @@ def load_hf_checkpoint(model, path: str | Path, arch: ModelArch | None = None, l
         if local not in params:
             raise UnsupportedCheckpoint(f"model has no parameter {local} for {e.hf}: bridge/model mismatch")
         plan.append((local, e))
-    missing = set(params) - {name for name, _ in plan}
+    missing = set(params) - {params.key(name) for name, _ in plan}
     if missing:
         raise UnsupportedCheckpoint(f"no checkpoint tensor maps to model parameters {sorted(missing)[:5]}")
     for local, e in plan:  # every shape before the first copy
@@ -363,7 +398,7 @@ def iter_hf_tensors(model, arch: ModelArch, layout: Layout | None = None,
 
     lay = layout or Layout.current()
     model = unwrap(model)
-    params = dict(model.named_parameters())
+    params = Params(model.named_parameters())
     ref = next(iter(params.values()))
     device, pdtype = ref.device, ref.dtype
     tp_group = ps.get_tensor_model_parallel_group() if lay.tp > 1 else None
@@ -518,7 +553,7 @@ def iter_hf_buckets(model, arch: ModelArch, layout: Layout | None = None, bucket
     from megatron.core import parallel_state as ps
 
     lay = layout or Layout.current()
-    params = dict(unwrap(model).named_parameters())
+    params = Params(unwrap(model).named_parameters())
     ref = next(iter(params.values()))
     elem = ref.element_size()
     groups = {"tp": ps.get_tensor_model_parallel_group() if lay.tp > 1 else None,
