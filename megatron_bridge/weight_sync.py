@@ -1,8 +1,9 @@
 """Weight sync trainer -> engines: HF-named tensors in buckets, tagged with the policy version.
 
-The trainer streams `(hf_name, tensor)` pairs (`MegatronTrainer.iter_hf_tensors`, collective over its ranks);
-`sync` groups them into buckets of about `bucket_bytes` and hands each bucket to the sending rank's sink (rank 0
-unless a transport has other ranks send):
+The trainer builds its weights in HF naming a bucket at a time, every rank together (`convert.iter_hf_buckets`:
+one collective per bucket); `sync_buckets` hands each bucket to the sending rank's sink (rank 0 unless a
+transport has other ranks send), and `sync` does the same for a stream of single tensors, grouped into buckets
+of about `bucket_bytes`:
 
     sink.begin(version); sink.push(bucket) ...; sink.end(version)
 
@@ -17,11 +18,12 @@ joins the two ends). Here:
 * `DiskSink`: writes an HF checkpoint folder (for `update_weights_from_disk`, and the export);
 * `CallableSink`: adapts a plain `fn(bucket, version)`;
 * GPU transports, streamed from the trainer's ranks straight to the servers (rollverify/app/weight_transport.py
-  chooses them): `TransportSink` moves each bucket as one flattened buffer (SGLang's
-  `FlattenedTensorBucket` layout, `flatten_bucket`) with `broadcast_sender` over SGLang's weight-update group
-  (`join_weight_group`: NCCL on GPU, gloo on CPU) or `ipc_sender` as a serialized payload (CUDA IPC handles
-  on GPU, shared memory on CPU), while a `BucketControl` carries the metadata and the commit. `ipc_handles`
-  serialises a bucket for the spawned trainer's pipe (GPU tensors as handles).
+  chooses them): `TransportSink` moves each bucket as one flattened buffer (SGLang's `FlattenedTensorBucket`
+  layout, `flatten_bucket`: one finite check per bucket) with a `BucketSender`: `BroadcastSender` over SGLang's
+  weight-update group (`join_weight_group`: NCCL on GPU, gloo on CPU), or `IpcSender` with one serialized payload
+  per server TP rank, each built on that rank's GPU by the trainer rank there (`IpcPeer`; CUDA IPC handles on
+  GPU, shared memory on CPU), while a `BucketControl` carries the metadata and the commit; pipelined by one
+  bucket. `ipc_handles` serialises a bucket for the spawned trainer's pipe (GPU tensors as handles).
 """
 
 from __future__ import annotations

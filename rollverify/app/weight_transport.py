@@ -4,14 +4,16 @@ servers; ZMQ carries control only.
     placement       transport      data path of each bucket
     local launcher  in_memory      trainer -> driver -> ZMQ frames -> server (`SGLangRolloutEngine.update_weights`)
     disaggregated   distributed    trainer source rank --broadcast (NCCL; gloo on CPU)--> every server's TP ranks
-    colocated       ipc            trainer rank --CUDA IPC handle (shared memory on CPU)--> the server on its GPUs
+    colocated       ipc            the trainer rank on each of a server's GPUs --CUDA IPC handle (shared memory on
+                                   CPU), gathered to the first--> that GPU's server TP rank
 
 `TransportSpec` is what the driver hands the trainer (it crosses a pipe or Ray): the servers' endpoints and
 keys, and how to reach them. On each trainer rank `spec.open_sink(rank)` is the rank's `WeightSink` for
-`megatron_bridge.weight_sync.sync` (None where the rank only joins the gathers): the trainer wing's
+`megatron_bridge.weight_sync.sync_buckets` (None where the rank only joins the gathers): the trainer wing's
 `TransportSink` whose control is the server wing's `ServerControl` (this rank's own ZMQ connections to the
-servers) and whose sender moves the bytes. The trainer streams its export bucket by bucket (each bucket gathered
-over TP/EP when it is built), so no process holds a whole copy of the model. `TransportWeights` is the loop's
+servers) and whose sender moves the bytes, or (ipc) an `IpcPeer` that hands its own GPU's payloads to the
+server's source rank. The trainer streams its export bucket by bucket (each bucket gathered over TP/EP, one
+collective, when it is built), so no process holds a whole copy of the model. `TransportWeights` is the loop's
 `WeightSync` over it; each wing keeps its own end, and this module joins them.
 """
 
