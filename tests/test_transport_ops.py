@@ -138,6 +138,7 @@ def test_commit_of_another_bucket_count_is_refused_and_ends_the_stream():
         sink = _sink([a])
         sink.begin(2)
         sink.push(BUCKETS[0])
+        sink.control.settle(0)  # bucket 0 has loaded (the pipelined sink waits for it only before bucket 1)
 
         async def commit():
             conn = await ServerConnection(a.endpoint, timeout_s=10.0).start()
