@@ -347,9 +347,12 @@ def mark_tensor_parallel(model) -> None:
         set_tensor_model_parallel_attributes,
     )
 
+    # Transformer Engine's layers (the TE spec) by name: TE tags its own weights, this only fills a gap
+    te_dims = {"TEColumnParallelLinear": 0, "TELayerNormColumnParallelLinear": 0, "TERowParallelLinear": 1}
     for module in model.modules():
-        dim = 1 if isinstance(module, RowParallelLinear) else 0
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
+        dim = 1 if isinstance(module, RowParallelLinear) else te_dims.get(type(module).__name__, 0)
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)) or \
+                type(module).__name__ in te_dims:
             w = getattr(module, "weight", None)
             if w is not None and not getattr(w, "tensor_model_parallel", False):
                 set_tensor_model_parallel_attributes(w, True, dim, 1)
