@@ -102,6 +102,26 @@ def split_for_data_parallel(lengths: list[int], dp: int) -> list[list[int]]:
     return [sorted(p) for p in parts]
 
 
+@dataclass(frozen=True)
+class BatchLayout:
+    """What a driver needs to cut a batch for the trainer's ranks and check it first
+    (`MegatronTrainer.batch_layout`): the data-parallel size and each rank's DP rank, whether the calls replay
+    routes, and the limits every rank checks."""
+
+    dp: int
+    dp_ranks: tuple[int, ...]
+    moe: bool
+    replay_train: bool
+    replay_verify: bool
+    use_tis: bool
+    max_seq_len: int
+    context_length: int
+    vocab_size: int
+    num_layers: int
+    top_k: int
+    num_experts: int
+
+
 @dataclass
 class BatchShare:
     """One data-parallel rank's part of a batch, cut in the driver (`share_batch`) so each rank receives only

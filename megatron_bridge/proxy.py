@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
-from megatron_bridge.batch import check_batch, sequences, share_batch
+from megatron_bridge.batch import BatchLayout, check_batch, sequences, share_batch
 from megatron_bridge.replay import check_all_routes
 from megatron_bridge.weight_sync import CallableSink, InMemorySink, WeightSink
 
@@ -43,7 +43,7 @@ class TrainerProxy:
 
     def __init__(self, ranks: RankGroup) -> None:
         self.ranks = ranks
-        self._layout: dict | None = None
+        self._layout: BatchLayout | None = None
 
     @property
     def world_size(self) -> int:
@@ -52,7 +52,7 @@ class TrainerProxy:
     def _call(self, method: str, *args, _sink: WeightSink | None = None, **kwargs) -> Any:
         return self.ranks.call(method, args, kwargs, _sink)
 
-    def batch_layout(self) -> dict:
+    def batch_layout(self) -> BatchLayout:
         """The ranks' data-parallel layout and batch limits (`MegatronTrainer.batch_layout`), asked once."""
         if self._layout is None:
             self._layout = self._call("batch_layout")
@@ -64,16 +64,16 @@ class TrainerProxy:
         make, so a bad sequence fails here, before any rank starts its collectives."""
         lay = self.batch_layout()
         seqs = sequences(batch)
-        check_batch(seqs, max_seq_len=lay["max_seq_len"], context_length=lay["context_length"],
-                    vocab_size=lay["vocab_size"])
+        check_batch(seqs, max_seq_len=lay.max_seq_len, context_length=lay.context_length,
+                    vocab_size=lay.vocab_size)
         if routes:
-            check_all_routes(seqs, lay["num_layers"], lay["top_k"], lay["num_experts"])
-        calls = [((share, *rest), kwargs) for share in share_batch(seqs, lay["dp"], routes=routes)]
-        return self.ranks.call_each(method, [calls[d] for d in lay["dp_ranks"]])
+            check_all_routes(seqs, lay.num_layers, lay.top_k, lay.num_experts)
+        calls = [((share, *rest), kwargs) for share in share_batch(seqs, lay.dp, routes=routes)]
+        return self.ranks.call_each(method, [calls[d] for d in lay.dp_ranks])
 
     def compute_logprobs(self, batch, *, replay: bool | None = None, temperature: float = 1.0):
         lay = self.batch_layout()
-        routes = lay["moe"] and (lay["replay_verify"] if replay is None else replay)
+        routes = lay.moe and (lay.replay_verify if replay is None else replay)
         return self._by_share("compute_logprobs", batch, routes, replay=replay, temperature=temperature)
 
     def train_step(self, batch, *, temperature: float = 1.0, policy_version: int | None = None) -> dict[str, float]:
@@ -81,14 +81,14 @@ class TrainerProxy:
         for i, s in enumerate(sequences(batch)):  # what train_step refuses, refused before any rank starts
             if s.advantage is None:
                 raise ValueError(f"sequence {i} has no advantage")
-            if lay["use_tis"] and s.rollout_logprobs is None:
+            if lay.use_tis and s.rollout_logprobs is None:
                 raise ValueError(f"sequence {i} has no rollout log-probs (needed for TIS; set use_tis=False)")
-        return self._by_share("train_step", batch, lay["moe"] and lay["replay_train"], temperature=temperature,
+        return self._by_share("train_step", batch, lay.moe and lay.replay_train, temperature=temperature,
                               policy_version=policy_version)
 
     def loss_on(self, batch, old_logprobs, *, temperature: float = 1.0) -> dict[str, float]:
         lay = self.batch_layout()
-        return self._by_share("loss_on", batch, lay["moe"] and lay["replay_train"], old_logprobs,
+        return self._by_share("loss_on", batch, lay.moe and lay.replay_train, old_logprobs,
                               temperature=temperature)
 
     def sync_weights(self, sink, version: int | None = None, bucket_bytes: int = 64 << 20,

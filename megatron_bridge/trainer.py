@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from megatron_bridge import checkpoint, convert, policy_loss
-from megatron_bridge.batch import BatchShare, RankBatch, TrainSequence, check_batch, rank_batch
+from megatron_bridge.batch import BatchLayout, BatchShare, RankBatch, TrainSequence, check_batch, rank_batch
 from megatron_bridge.config import TrainerConfig
 from megatron_bridge.logprobs import defer_output_layer
 from megatron_bridge.micro_batches import MicroBatchRunner
@@ -126,18 +126,14 @@ class MegatronTrainer:
 
     # ------------------------------------------------------------------------------------------ log-probs
 
-    def batch_layout(self) -> dict:
-        """What a driver needs to cut a batch for the ranks (`megatron_bridge.batch.share_batch`) and check it
-        first: every rank's data-parallel rank (collective), whether each call takes the routes, the limits."""
-        ranks = [None] * (torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1)
+    def batch_layout(self) -> BatchLayout:
+        """What a driver needs to cut a batch for the ranks and check it first (collective: every rank's DP rank)."""
+        ranks = [self.micro.dp_rank] * (torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1)
         if len(ranks) > 1:
             torch.distributed.all_gather_object(ranks, self.micro.dp_rank)
-        a = self.arch
-        return {"dp": self.micro.dp, "dp_ranks": ranks if len(ranks) > 1 else [0], "moe": a.moe,
-                "replay_train": self.cfg.replay_train, "replay_verify": self.cfg.replay_verify,
-                "use_tis": self.cfg.use_tis, "max_seq_len": self.cfg.max_seq_len, "context_length": a.context_length,
-                "vocab_size": a.vocab_size, "num_layers": a.num_layers, "top_k": a.top_k,
-                "num_experts": a.num_experts}
+        a, c = self.arch, self.cfg
+        return BatchLayout(self.micro.dp, tuple(ranks), a.moe, c.replay_train, c.replay_verify, c.use_tis,
+                           c.max_seq_len, a.context_length, a.vocab_size, a.num_layers, a.top_k, a.num_experts)
 
     def _checked(self, batch: Sequence[TrainSequence] | BatchShare, use_replay: bool) -> RankBatch:
         seqs = rank_batch(batch, self.micro.dp, self.micro.dp_rank)
