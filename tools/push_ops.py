@@ -179,9 +179,11 @@ def push_counts(config: str, bucket_bytes: int) -> dict:
     server_tp = int(cfg.rollout.engine_args.get("tp_size", 1))
     groups = {"tp": t.tp, "ep": t.ep, "etp": etp, "etp_ep": etp * t.ep, "pp": t.pp}
     slots = [ServerAddress(i, f"tcp://server-{i}", None) for i in range(cfg.rollout.n_servers)]
-    weights = wt.TransportWeights(None, None, "ipc", colocated=True, server_tp=server_tp, trainer_ranks=world,
-                                  bucket_bytes=bucket_bytes)
-    spec = weights._spec_of(slots, "push-ops")
+    if hasattr(wt, "spec_for"):
+        spec = wt.spec_for("ipc", slots, server_tp, world, "push-ops")
+    else:  # a checkout from before the bucketed push (the "before" figures)
+        spec = wt.TransportWeights(None, None, "ipc", colocated=True, server_tp=server_tp,
+                                   trainer_ranks=world)._spec_of(slots, "push-ops")
     out = WeightsOut(MetaModel(arch, lay, torch.bfloat16), arch, lay, ROOT)
     COUNTS.clear()
     saved = (wt.ServerControl, wt.serialize_flattened)

@@ -175,14 +175,8 @@ class TransportWeights:
         return self._spec_of(live, self._group[1])
 
     def _spec_of(self, slots: list[ServerAddress], group: str) -> TransportSpec:
-        # colocated, GPU by GPU: trainer rank r on the layout's GPU r, server i on GPUs i * tp .. (i + 1) * tp - 1
-        # (slime's layout: rollout from offset 0); each of them builds its payload on its own GPU
-        tp = self.server_tp
-        ranks = tuple(tuple(range(s.index * tp, (s.index + 1) * tp)) for s in slots)
-        covered = self.kind == "ipc" and all(r < self.trainer_ranks for rs in ranks for r in rs)
-        return TransportSpec(self.kind, tuple(s.endpoint for s in slots), tuple(s.curve for s in slots),
-                             (tp,) * len(slots), group=group, backend=self.backend, master_addr=self.master_addr,
-                             ipc_ranks=ranks if covered else (), timeout_s=self.timeout_s)
+        return spec_for(self.kind, slots, self.server_tp, self.trainer_ranks, group, backend=self.backend,
+                        master_addr=self.master_addr, timeout_s=self.timeout_s)
 
     def restore(self, server: ServerAddress, version: int) -> dict[str, float]:
         """A restarted server (the engine's `restore_weights`: a server serving the original checkpoint) gets
@@ -204,6 +198,19 @@ class TransportWeights:
             return stats
 
         return self.handoff.push(send)
+
+
+def spec_for(kind: Literal["distributed", "ipc"], slots: list[ServerAddress], server_tp: int, trainer_ranks: int,
+             group: str, *, backend: str | None = None, master_addr: str | None = None,
+             timeout_s: float = 300.0) -> TransportSpec:
+    """The spec of `slots` for a trainer of `trainer_ranks` ranks. Colocated, GPU by GPU: trainer rank r on the
+    layout's GPU r, server i on GPUs i * tp .. (i + 1) * tp - 1 (slime's layout: rollout from offset 0), each of
+    whose trainer ranks builds the payload of its GPU's server TP rank."""
+    ranks = tuple(tuple(range(s.index * server_tp, (s.index + 1) * server_tp)) for s in slots)
+    covered = kind == "ipc" and all(r < trainer_ranks for rs in ranks for r in rs)
+    return TransportSpec(kind, tuple(s.endpoint for s in slots), tuple(s.curve for s in slots),
+                         (server_tp,) * len(slots), group=group, backend=backend, master_addr=master_addr,
+                         ipc_ranks=ranks if covered else (), timeout_s=timeout_s)
 
 
 def _group_name() -> str:
