@@ -70,9 +70,16 @@ def probe(device: str) -> Probe:
         transformer_engine=te,
         te_grouped_linear=te and _imports("transformer_engine.pytorch", "GroupedLinear", errors),
         flash_attn_2=_imports("flash_attn", "flash_attn_varlen_func", errors),
-        flash_attn_4=_imports("flash_attn.cute", "flash_attn_varlen_func", errors),
+        # flash-attn 4's kernels are Hopper's and Blackwell's (SM 9.x, 10.x, 11.x: flash_attn/cute/interface.py)
+        flash_attn_4=_cuda_major() >= 9 and _imports("flash_attn.cute", "flash_attn_varlen_func", errors),
         errors=errors,
     )
+
+
+def _cuda_major() -> int:
+    import torch
+
+    return torch.cuda.get_device_capability()[0]
 
 
 @dataclass(frozen=True)
