@@ -5,7 +5,8 @@ refuses packed (THD) input. `PackedCoreAttention` replaces it in the layer spec 
 from `PackedSeqParams` (`qkv_format="thd"`, `cu_seqlens`): query `[T, heads, dim]`, key/value
 `[T, groups, dim]`, causal inside each sequence and nothing across sequences. No `[s, s]` tensor exists:
 
-- CUDA, bf16 / fp16, FlashAttention installed: `flash_attn_varlen_func` over the whole pack (one kernel).
+- CUDA, bf16 / fp16, a flash-attention varlen kernel chosen at start (`megatron_bridge.throughput`: flash-attn 2,
+  or flash-attn 4's `flash_attn.cute`, which sglang's GPU install brings): one kernel over the whole pack.
 - Otherwise (float32, CUDA without it, and CPU): torch's `scaled_dot_product_attention` per sequence with
   `is_causal=True`; on CUDA torch picks its flash / memory-efficient kernels, on CPU its flash CPU kernel,
   all of which keep O(s) state (log-sum-exp) for the backward instead of the score matrix.
@@ -24,23 +25,12 @@ gradient adds nothing to the keys' and values' gradients). Memory stays linear: 
 
 from __future__ import annotations
 
-import importlib.util
-
 import numpy as np
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
-
-def _flash_varlen():
-    """FlashAttention's varlen kernel when the package is installed, else None."""
-    if importlib.util.find_spec("flash_attn") is None:
-        return None
-    try:
-        from flash_attn import flash_attn_varlen_func
-    except ImportError:  # installed but built for another torch / CUDA
-        return None
-    return flash_attn_varlen_func
+KERNELS_RUN: set[str] = set()  # which kernels this process's packed attention has run ("flash_attn_4", "sdpa", ...)
 
 
 class PackedCoreAttention(MegatronModule):
@@ -64,6 +54,19 @@ class PackedCoreAttention(MegatronModule):
             raise ValueError("apply_query_key_layer_scaling is not supported by PackedCoreAttention")
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         self.layer_number = layer_number
+        # the varlen kernel the trainer chose at start (megatron_bridge.throughput); SDPA without one
+        self.attention = getattr(config, "rollverify_attention", "sdpa")
+        self._flash = None
+
+    def _kernel(self, query):
+        """The flash varlen kernel for CUDA bf16 / fp16 input when one was chosen, else None (SDPA)."""
+        if self.attention == "sdpa" or not query.is_cuda or query.dtype not in (torch.float16, torch.bfloat16):
+            return None
+        if self._flash is None:
+            from megatron_bridge.throughput import varlen_kernel
+
+            self._flash = varlen_kernel(self.attention)
+        return self._flash
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
@@ -87,7 +90,8 @@ class PackedCoreAttention(MegatronModule):
                 not torch.equal(packed_seq_params.cu_seqlens_kv, cu):
             raise ValueError("self-attention over packed sequences needs cu_seqlens_kv == cu_seqlens_q")
         t = query.shape[0]
-        flash = _flash_varlen() if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) else None
+        flash = self._kernel(query)
+        KERNELS_RUN.add(self.attention if flash is not None else "sdpa")
         if self.cp_group is not None:
             return self._context_parallel(query, key, value, cu, p, flash)
         if flash is not None:

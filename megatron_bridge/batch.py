@@ -10,6 +10,7 @@ inside a micro-batch the sequences are packed end to end (THD, see `model.Packed
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -101,6 +102,93 @@ def split_for_data_parallel(lengths: list[int], dp: int) -> list[list[int]]:
     return [sorted(p) for p in parts]
 
 
+@dataclass(frozen=True)
+class BatchLayout:
+    """What a driver needs to cut a batch for the trainer's ranks and check it first
+    (`MegatronTrainer.batch_layout`): the data-parallel size and each rank's DP rank, whether the calls replay
+    routes, and the limits every rank checks."""
+
+    dp: int
+    dp_ranks: tuple[int, ...]
+    moe: bool
+    replay_train: bool
+    replay_verify: bool
+    use_tis: bool
+    max_seq_len: int
+    context_length: int
+    vocab_size: int
+    num_layers: int
+    top_k: int
+    num_experts: int
+
+
+@dataclass
+class BatchShare:
+    """One data-parallel rank's part of a batch, cut in the driver (`share_batch`) so each rank receives only
+    what it computes: its sequences `seqs` at batch indices `index`, and what every rank needs of the whole
+    batch: each sequence's model inputs (`lengths`: every rank plans every DP rank's micro-batches, so all run
+    the same number) and generated tokens (`gen_counts`: the per-token arrays the trainer returns are flat over
+    the batch)."""
+
+    dp: int
+    dp_rank: int
+    index: list[int]
+    seqs: list[TrainSequence]
+    lengths: list[int]
+    gen_counts: list[int]
+
+    def nbytes(self) -> int:
+        """Bytes of the sequences' arrays (what crosses to the rank, besides a few integers per sequence)."""
+        return sum(sequence_bytes(s) for s in self.seqs)
+
+
+def sequence_bytes(s: TrainSequence) -> int:
+    return sum(np.asarray(v).nbytes for v in (s.prompt_ids, s.gen_ids, s.routed_experts, s.rollout_logprobs,
+                                               s.rollout_versions, s.advantage, s.loss_mask) if v is not None)
+
+
+def share_batch(batch, dp: int, *, routes: bool) -> list[BatchShare]:
+    """`batch` cut into one `BatchShare` per data-parallel rank by the rule the ranks use
+    (`split_for_data_parallel`); the routed experts stay behind unless the call uses them (`routes`)."""
+    seqs = sequences(batch)
+    lengths = [s.num_inputs for s in seqs]
+    gens = [s.gen_ids.size for s in seqs]
+    out = []
+    for r, index in enumerate(split_for_data_parallel(lengths, dp)):
+        mine = [seqs[i] if routes or seqs[i].routed_experts is None else
+                dataclasses.replace(seqs[i], routed_experts=None) for i in index]
+        out.append(BatchShare(dp, r, index, mine, lengths, gens))
+    return out
+
+
+class RankBatch(list):
+    """A batch as one trainer rank sees it: item i is sequence i where this rank has it (all of them for a
+    whole batch, its data-parallel share for a `BatchShare`), else None; `lengths` and `gen_counts` cover every
+    sequence; `whole` says whether every rank holds every sequence."""
+
+    lengths: list[int]
+    gen_counts: list[int]
+    whole: bool
+
+
+def rank_batch(batch, dp: int, dp_rank: int) -> RankBatch:
+    """`batch` (any sequence of TrainSequence, or this rank's `BatchShare`) as a `RankBatch`."""
+    if isinstance(batch, RankBatch):
+        return batch
+    if isinstance(batch, BatchShare):
+        if (batch.dp, batch.dp_rank) != (dp, dp_rank):
+            raise ValueError(f"a batch share of data-parallel rank {batch.dp_rank} of {batch.dp} reached rank "
+                             f"{dp_rank} of {dp}")
+        out = RankBatch([None] * len(batch.lengths))
+        for i, s in zip(batch.index, sequences(batch.seqs), strict=True):
+            out[i] = s
+        out.lengths, out.gen_counts, out.whole = list(batch.lengths), list(batch.gen_counts), False
+        return out
+    out = RankBatch(sequences(batch))
+    out.lengths, out.gen_counts, out.whole = [s.num_inputs for s in out], [s.gen_ids.size for s in out], True
+    return out
+
+
 def sequences(batch) -> list[TrainSequence]:
     """`batch` as a list, every item a TrainSequence (the trainer's methods take any sequence of them)."""
     seqs = list(batch)
@@ -117,6 +205,8 @@ def check_batch(seqs: list[TrainSequence], *, max_seq_len: int, context_length: 
     setting (0: the model's `context_length`)."""
     limit = max_seq_len or context_length
     for i, s in enumerate(seqs):
+        if s is None:  # another data-parallel rank's sequence
+            continue
         if s.num_inputs > limit:
             raise ValueError(
                 f"sequence {i} has {s.prompt_ids.size} prompt + {s.gen_ids.size} generated tokens = "

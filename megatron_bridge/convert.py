@@ -22,8 +22,9 @@ the full tensor), so the peak extra memory is one tensor.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -154,6 +155,40 @@ def _tp_split(entry: Entry, lay: Layout) -> tuple[int, int]:
     return lay.tp, lay.tp_rank
 
 
+# Transformer Engine's layer spec (megatron_bridge.throughput) names some parameters differently from the local
+# spec this table uses: the norm before a linear layer is fused into it, and grouped experts are one module
+_TE_NAMES = (
+    (re.compile(r"^(decoder\.layers\.\d+\.)input_layernorm\.weight$"), r"\1self_attention.linear_qkv.layer_norm_weight"),
+    (re.compile(r"^(decoder\.layers\.\d+\.)pre_mlp_layernorm\.weight$"), r"\1mlp.linear_fc1.layer_norm_weight"),
+    (re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)local_experts\.(\d+)\.(linear_fc[12])\.weight$"),
+     r"\1\3.weight\2"),
+)
+
+
+def te_name(name: str) -> str:
+    """The Transformer Engine layer spec's name of local-spec parameter `name` (the same where nothing is fused)."""
+    for pattern, repl in _TE_NAMES:
+        if pattern.match(name):
+            return pattern.sub(repl, name)
+    return name
+
+
+class Params(dict):
+    """A model's named parameters, looked up by local-spec name whichever spec built the model."""
+
+    def key(self, name: str) -> str:
+        if dict.__contains__(self, name):
+            return name
+        other = te_name(name)
+        return other if dict.__contains__(self, other) else name
+
+    def __contains__(self, name) -> bool:
+        return dict.__contains__(self, self.key(name))
+
+    def __getitem__(self, name: str):
+        return dict.__getitem__(self, self.key(name))
+
+
 # ----------------------------------------------------------------------------------------------- loading
 
 
@@ -265,7 +300,7 @@ def load_hf_checkpoint(model, path: str | Path, arch: ModelArch | None = None, l
     model = unwrap(model)
     reader = _Reader(path)
     _check_shapes(reader, arch, path)
-    params = dict(model.named_parameters())
+    params = Params(model.named_parameters())
     plan = []
     for e in _entries(arch):
         local = _local_name(e, arch, lay)
@@ -277,7 +312,7 @@ def load_hf_checkpoint(model, path: str | Path, arch: ModelArch | None = None, l
         if local not in params:
             raise UnsupportedCheckpoint(f"model has no parameter {local} for {e.hf}: bridge/model mismatch")
         plan.append((local, e))
-    missing = set(params) - {name for name, _ in plan}
+    missing = set(params) - {params.key(name) for name, _ in plan}
     if missing:
         raise UnsupportedCheckpoint(f"no checkpoint tensor maps to model parameters {sorted(missing)[:5]}")
     for local, e in plan:  # every shape before the first copy
@@ -363,7 +398,7 @@ def iter_hf_tensors(model, arch: ModelArch, layout: Layout | None = None,
 
     lay = layout or Layout.current()
     model = unwrap(model)
-    params = dict(model.named_parameters())
+    params = Params(model.named_parameters())
     ref = next(iter(params.values()))
     device, pdtype = ref.device, ref.dtype
     tp_group = ps.get_tensor_model_parallel_group() if lay.tp > 1 else None
@@ -392,3 +427,145 @@ def iter_hf_tensors(model, arch: ModelArch, layout: Layout | None = None,
             if dtype is not None and t.dtype != dtype:
                 t = t.to(dtype)
             yield name, t
+
+
+# ----------------------------------------------------------------------------------------- bucketed export
+
+
+@dataclass
+class BucketPlan:
+    """One bucket of the export: whole HF tensors of `entries`, all on pipeline stage `stage`, assembled with at
+    most one collective inside the stage: `via` "tp" (an all-gather of every rank's shards of the TP-split
+    entries over the TP group), "ep" (an all-gather of `experts_per_rank` local experts of one layer over the
+    expert-tensor-and-model-parallel group, so every EP and expert-TP rank's shards in one call) or "none"
+    (replicated or unsplit entries: local copies). Replicated entries ride along in any bucket."""
+
+    stage: int
+    via: str
+    entries: list[Entry]
+    nbytes: int = 0
+    layer: int | None = None  # "ep": the layer, and the first local expert index of the chunk
+    first_local: int = 0
+    experts_per_rank: int = 0
+
+
+def _entry_bytes(entry: Entry, elem: int) -> int:
+    return sum(int(torch.Size(s).numel()) for s in entry.hf_shapes) * elem
+
+
+def _via(entry: Entry, lay: Layout) -> str:
+    if entry.expert is not None:
+        return "ep" if lay.ep * lay.etp > 1 else "none"
+    return "tp" if _tp_split(entry, lay)[0] > 1 else "none"
+
+
+def plan_buckets(arch: ModelArch, lay: Layout, bucket_bytes: int, elem: int = 2) -> list[BucketPlan]:
+    """The export's buckets for layout `lay`, the same on every rank (the collectives pair up): consecutive
+    entries until about `bucket_bytes` (`elem` bytes an element), a new bucket where the stage or the collective
+    changes. Experts split over EP / expert TP go by layer in chunks of the same local experts on every rank
+    (as many as fit, at least one each), so all the experts of a layer take one collective when a bucket holds
+    them."""
+    plans: list[BucketPlan] = []
+    cur: BucketPlan | None = None
+    entries = _entries(arch)
+    i = 0
+    while i < len(entries):
+        e = entries[i]
+        stage, via = _stage_of(e, arch, lay.pp), _via(e, lay)
+        if via == "ep":  # every expert entry of this layer, chunked by local expert index
+            layer_entries = [x for x in entries[i:] if x.layer == e.layer and x.expert is not None]
+            per = arch.num_experts // lay.ep
+            per_expert = sum(_entry_bytes(x, elem) for x in layer_entries if x.expert == 0)
+            chunk = max(1, min(per, bucket_bytes // max(1, per_expert * lay.ep)))
+            for j in range(0, per, chunk):
+                m = min(chunk, per - j)
+                locals_ = {k * per + jj for k in range(lay.ep) for jj in range(j, j + m)}
+                part = sorted((x for x in layer_entries if x.expert in locals_), key=lambda x: (x.expert, x.mcore))
+                plans.append(BucketPlan(stage, "ep", part, sum(_entry_bytes(x, elem) for x in part), e.layer, j, m))
+            cur = None
+            i += len(layer_entries)
+            continue
+        n = _entry_bytes(e, elem)
+        fits = cur is not None and cur.stage == stage and cur.nbytes + n <= bucket_bytes and \
+            (via == "none" or cur.via in ("none", via))
+        if not fits:
+            cur = BucketPlan(stage, via, [])
+            plans.append(cur)
+        elif via != "none":
+            cur.via = via
+        cur.entries.append(e)
+        cur.nbytes += n
+        i += 1
+    return plans
+
+
+def _gather(local: torch.Tensor, group) -> torch.Tensor:
+    """[group size, n]: every rank's `local` [n], one all-gather."""
+    size, _ = _group_rank(group)
+    out = torch.empty(size, local.numel(), dtype=local.dtype, device=local.device)
+    if local.is_cuda:
+        dist.all_gather_into_tensor(out, local, group=group)
+    else:  # gloo: the list form, into views of the one buffer
+        dist.all_gather(list(out.unbind(0)), local, group=group)
+    return out
+
+
+def _split(flat: torch.Tensor, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+    sizes = [int(torch.Size(s).numel()) for s in shapes]
+    return [p.view(s) for p, s in zip(flat.split(sizes), shapes, strict=True)]
+
+
+def _assemble_bucket(plan: BucketPlan, params: dict, arch: ModelArch, lay: Layout, groups: dict) -> list:
+    """(hf name, full tensor) of every entry of `plan` on a rank of its stage, with at most one collective."""
+    parts: dict[str, list[torch.Tensor]] = {}
+    if plan.via == "ep":
+        per = arch.num_experts // lay.ep
+        mine = [x for x in plan.entries if x.expert < per]  # the chunk as expert rank 0 holds it (local = global)
+        local = [params[_local_name(x, arch, replace(lay, ep_rank=0))].detach() for x in mine]
+        shapes = [tuple(t.shape) for t in local]
+        rows = _gather(torch.cat([t.reshape(-1) for t in local]), groups["ep"])  # [ep * etp, n]
+        for k in range(lay.ep):  # group rank = ep_rank * etp + etp_rank (expert TP innermost)
+            shards = [_split(rows[k * lay.etp + t], shapes) for t in range(lay.etp)]
+            for i, x in enumerate(mine):
+                parts[x.mcore.replace(f"local_experts.{x.expert}.", f"local_experts.{x.expert + k * per}.", 1)] = \
+                    [s[i] for s in shards]
+    split = [e for e in plan.entries if _via(e, lay) == "tp"]
+    if split:
+        local = [params[_local_name(e, arch, lay)].detach() for e in split]
+        shapes = [tuple(t.shape) for t in local]
+        rows = _gather(torch.cat([t.reshape(-1) for t in local]), groups["tp"])  # [tp, n]
+        per_rank = [_split(r, shapes) for r in rows]
+        parts = {e.mcore: [p[i] for p in per_rank] for i, e in enumerate(split)}
+    out = []
+    for e in plan.entries:
+        full = _assemble(e, parts[e.mcore] if e.mcore in parts else [params[_local_name(e, arch, lay)].detach()], arch)
+        out.extend(zip(e.hf, full, strict=True))
+    return out
+
+
+@torch.no_grad()
+def iter_hf_buckets(model, arch: ModelArch, layout: Layout | None = None, bucket_bytes: int = 64 << 20,
+                    dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The HF tensors of `iter_hf_tensors` in buckets of about `bucket_bytes` (`plan_buckets`), on every rank,
+    with one collective per bucket inside a pipeline stage (and one broadcast of the bucket over the pipeline
+    group under PP): the TP shards of a bucket's tensors, or a chunk of a layer's experts over EP, travel in one
+    all-gather instead of one call per tensor (per expert). Collective: every rank consumes it in lockstep."""
+    from megatron.core import parallel_state as ps
+
+    lay = layout or Layout.current()
+    params = Params(unwrap(model).named_parameters())
+    ref = next(iter(params.values()))
+    elem = ref.element_size()
+    groups = {"tp": ps.get_tensor_model_parallel_group() if lay.tp > 1 else None,
+              "ep": ps.get_expert_tensor_and_model_parallel_group() if lay.ep * lay.etp > 1 else None}
+    pp_group = ps.get_pipeline_model_parallel_group() if lay.pp > 1 else None
+    for plan in plan_buckets(arch, lay, bucket_bytes, elem):
+        named = _assemble_bucket(plan, params, arch, lay, groups) if plan.stage == lay.pp_rank else None
+        if pp_group is not None:
+            shapes = [s for e in plan.entries for s in e.hf_shapes]
+            flat = torch.cat([t.reshape(-1) for _, t in named]) if named is not None else \
+                torch.empty(sum(int(torch.Size(s).numel()) for s in shapes), dtype=ref.dtype, device=ref.device)
+            dist.broadcast(flat, src=dist.get_global_rank(pp_group, plan.stage), group=pp_group)
+            named = list(zip([n for e in plan.entries for n in e.hf], _split(flat, shapes), strict=True))
+        assert named is not None
+        yield [(n, t.to(dtype) if dtype is not None and t.dtype != dtype else t) for n, t in named]

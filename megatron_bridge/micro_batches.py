@@ -56,8 +56,11 @@ class MicroBatchRunner:
     def _plan(self, seqs: list[TrainSequence]) -> list[list[int]]:
         """This DP rank's micro-batches (batch indices); every DP rank gets the same number, padded with empty
         ones."""
-        lengths = [s.num_inputs for s in seqs]
+        lengths = getattr(seqs, "lengths", None) or [s.num_inputs for s in seqs]
         shards = split_for_data_parallel(lengths, self.dp)
+        if any(seqs[i] is None for i in shards[self.dp_rank]):
+            raise ValueError(f"data-parallel rank {self.dp_rank} lacks sequences of its share: the batch was cut "
+                             "by another rule than split_for_data_parallel")
         plans = [[[shard[i] for i in g] for g in plan_micro_batches([lengths[i] for i in shard],
                                                                      self.cfg.micro_batch_tokens)]
                  for shard in shards]

@@ -191,8 +191,10 @@ def check_layout(arch: ModelArch, *, tp: int = 1, ep: int = 1, pp: int = 1, cp: 
 def transformer_config(arch: ModelArch, *, tp: int = 1, ep: int = 1, pp: int = 1, etp: int = 1, cp: int = 1,
                        sequence_parallel: bool = False, dtype: torch.dtype = torch.float32,
                        routing_replay: bool = True, dispatcher: str = "alltoall", init_weights: bool = False,
-                       recompute: str = "none"):
-    """TransformerConfig equivalent to `arch` (fusions off: they need TE/apex or CUDA).
+                       recompute: str = "none", paths=None):
+    """TransformerConfig equivalent to `arch`. Fusions (fused RoPE, bias-SwiGLU) and MoE grouped GEMM follow
+    `paths` (`megatron_bridge.throughput.ThroughputPaths`: Transformer Engine on CUDA); off without (they need
+    TE or CUDA).
 
     recompute: "none"; "selective" (Megatron-Core's selective recompute of core attention, and of the MLP of a
     dense model); "full" (every layer keeps only its input and is recomputed in the backward).
@@ -229,11 +231,11 @@ def transformer_config(arch: ModelArch, *, tp: int = 1, ep: int = 1, pp: int = 1
         pipeline_dtype=dtype if pp > 1 else None,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
-        bias_activation_fusion=False,
+        bias_activation_fusion=bool(paths and paths.fusions),
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
-        apply_rope_fusion=False,
+        apply_rope_fusion=bool(paths and paths.fusions),
         gradient_accumulation_fusion=False,
         attention_softmax_in_fp32=True,
         variable_seq_lengths=pp > 1,  # packed rows differ in length; PP must communicate shapes
@@ -249,12 +251,14 @@ def transformer_config(arch: ModelArch, *, tp: int = 1, ep: int = 1, pp: int = 1
             moe_router_pre_softmax=not arch.norm_topk_prob,
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
-            moe_grouped_gemm=False,
+            moe_grouped_gemm=bool(paths and paths.grouped_gemm),
             moe_router_dtype="fp32",
             moe_enable_routing_replay=routing_replay,
             moe_permute_fusion=False,
         )
     config = TransformerConfig(**kw)
+    # the packed attention's kernel (attention.PackedCoreAttention); not a TransformerConfig field
+    config.rollverify_attention = paths.attention if paths is not None else "sdpa"
     if arch.yarn_factor:
         # read by GPTModel (position_embedding_type="yarn") and by attention's cos / sin scale; not dataclass
         # fields in Megatron-Core 0.16.1. The concentration factor there is mscale(f, m) / mscale(f, 0) =
@@ -271,10 +275,11 @@ def transformer_config(arch: ModelArch, *, tp: int = 1, ep: int = 1, pp: int = 1
 
 
 def build_model(arch: ModelArch, config, *, pre_process: bool | None = None, post_process: bool | None = None):
-    """A GPTModel with the local layer spec for `arch` on this rank's pipeline stage (weights uninitialised)."""
+    """A GPTModel for `arch` on this rank's pipeline stage (weights uninitialised): Transformer Engine's layer
+    spec when `config` asks for TE fusions (`transformer_config(paths=...)`), else the local spec with the
+    project's norms; the packed core attention in both."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.moe.router_replay import RouterReplay
     from megatron.core.transformer.transformer_block import (
         TransformerBlockSubmodules,
@@ -285,18 +290,26 @@ def build_model(arch: ModelArch, config, *, pre_process: bool | None = None, pos
 
     # RouterReplay keeps a process-wide list of instances in construction order; a new model starts afresh.
     RouterReplay.clear_global_router_replay_instances()
-    spec = get_gpt_layer_local_spec(
-        num_experts=arch.num_experts or None,
-        moe_grouped_gemm=False,
-        qk_layernorm=True,
-        normalization="RMSNorm",
-    )
-    layer = spec.submodules
-    layer.self_attention.submodules.core_attention = PackedCoreAttention
-    layer.input_layernorm = layer.pre_mlp_layernorm = SequenceParallelRMSNorm
-    layer.self_attention.submodules.q_layernorm = layer.self_attention.submodules.k_layernorm = SequenceParallelRMSNorm
-    block = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config),
-                                       layer_norm=SequenceParallelRMSNorm)
+    te = config.apply_rope_fusion  # set with the TE paths only (transformer_config)
+    if te:
+        from megatron.core.extensions.transformer_engine import TENorm
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        spec = get_gpt_layer_with_transformer_engine_spec(num_experts=arch.num_experts or None,
+                                                          moe_grouped_gemm=config.moe_grouped_gemm, qk_layernorm=True)
+        final_norm = TENorm
+    else:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        spec = get_gpt_layer_local_spec(num_experts=arch.num_experts or None, moe_grouped_gemm=False,
+                                        qk_layernorm=True, normalization="RMSNorm")
+        layer = spec.submodules
+        layer.input_layernorm = layer.pre_mlp_layernorm = SequenceParallelRMSNorm
+        layer.self_attention.submodules.q_layernorm = SequenceParallelRMSNorm
+        layer.self_attention.submodules.k_layernorm = SequenceParallelRMSNorm
+        final_norm = SequenceParallelRMSNorm
+    spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention
+    block = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=final_norm)
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage()
     if post_process is None:
@@ -334,9 +347,12 @@ def mark_tensor_parallel(model) -> None:
         set_tensor_model_parallel_attributes,
     )
 
+    # Transformer Engine's layers (the TE spec) by name: TE tags its own weights, this only fills a gap
+    te_dims = {"TEColumnParallelLinear": 0, "TELayerNormColumnParallelLinear": 0, "TERowParallelLinear": 1}
     for module in model.modules():
-        dim = 1 if isinstance(module, RowParallelLinear) else 0
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
+        dim = 1 if isinstance(module, RowParallelLinear) else te_dims.get(type(module).__name__, 0)
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)) or \
+                type(module).__name__ in te_dims:
             w = getattr(module, "weight", None)
             if w is not None and not getattr(w, "tensor_model_parallel", False):
                 set_tensor_model_parallel_attributes(w, True, dim, 1)

@@ -16,6 +16,7 @@ over micro-batches and ranks exactly.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -124,15 +125,17 @@ def micro_batch_loss(lp: torch.Tensor, ent: torch.Tensor, x: dict, counts: list[
     return t.loss_sum, t.count.to(dev), stats
 
 
-def mismatch(seqs: list[TrainSequence], old: list[np.ndarray], policy_version: int | None) -> dict[str, float]:
+def mismatch(seqs: list[TrainSequence | None], old: list[np.ndarray], policy_version: int | None,
+             gather: Callable[[list], list] | None = None) -> dict[str, float]:
     """The recomputed old log-probs against the engine's, split by who sampled the token. `mismatch_*`: tokens
     sampled by the weights the trainer holds (`policy_version`), where the two should agree to the kernels'
     floor; `drift_*`: tokens of older versions (carried over), where the difference is the policy's drift
     since they were sampled (their OPS under this step's policy). Without `policy_version` or a sequence's
-    `rollout_versions`, its tokens count as the trainer's own."""
+    `rollout_versions`, its tokens count as the trainer's own. Sequences this rank lacks are None; `gather`
+    (each data-parallel rank's list, on every rank) then joins the ranks' differences."""
     same, older = [], []
     for i, s in enumerate(seqs):
-        if s.rollout_logprobs is None:
+        if s is None or s.rollout_logprobs is None:
             continue
         d = (old[i] - np.asarray(s.rollout_logprobs, np.float32)).astype(np.float64)
         if policy_version is None or s.rollout_versions is None:
@@ -141,6 +144,9 @@ def mismatch(seqs: list[TrainSequence], old: list[np.ndarray], policy_version: i
         own = np.asarray(s.rollout_versions) == policy_version
         same.append(d[own])
         older.append(d[~own])
+    if gather is not None:
+        parts = gather([(same, older)])
+        same, older = [d for s, _ in parts for d in s], [d for _, o in parts for d in o]
     return {**_diff_stats("mismatch", same), **_diff_stats("drift", older)}
 
 

@@ -1,6 +1,7 @@
 """`TrainerProxy`: `MegatronTrainer`'s methods in the driver over a `RankGroup`, the trainer's N ranks elsewhere.
 
-The driver never imports Megatron-Core. A rank group runs each call on every rank and returns rank 0's answer;
+The driver never imports Megatron-Core. A rank group runs each call on every rank and returns rank 0's answer; a
+batch is checked here and cut into data-parallel shares, each rank receiving only its own (`batch.share_batch`);
 weight streams that rank 0 produces (`sync_weights`, the HF export) reach the driver's sink while the call runs.
 Two groups exist: `megatron_bridge.spawned.PipeRanks` (child processes on this machine, over pipes) and
 `megatron_bridge.ray_trainer.RayRanks` (Ray actors, over actor calls); the proxy is the same over both. Any
@@ -15,6 +16,8 @@ from typing import Any, Protocol
 
 import torch
 
+from megatron_bridge.batch import BatchLayout, check_batch, sequences, share_batch
+from megatron_bridge.replay import check_all_routes
 from megatron_bridge.weight_sync import CallableSink, InMemorySink, WeightSink
 
 STREAMS = ("sync_weights", "iter_hf_tensors")  # the calls whose rank 0 streams weight buckets to the sink
@@ -22,11 +25,15 @@ STREAMS = ("sync_weights", "iter_hf_tensors")  # the calls whose rank 0 streams 
 
 class RankGroup(Protocol):
     """The trainer's ranks: `call` runs `method(*args, **kwargs)` on every rank (`megatron_bridge.spawned.run_call`)
-    and returns rank 0's result; a call in `STREAMS` feeds rank 0's weight buckets to `sink` (begin/push/end)."""
+    and returns rank 0's result; a call in `STREAMS` feeds rank 0's weight buckets to `sink` (begin/push/end).
+    `call_each` gives rank r its own `(args, kwargs)` = `per_rank[r]` (ranks given the same object share one
+    copy where the group can send one)."""
 
     world_size: int
 
     def call(self, method: str, args: tuple, kwargs: dict, sink: WeightSink | None = None) -> Any: ...
+
+    def call_each(self, method: str, per_rank: list[tuple[tuple, dict]], sink: WeightSink | None = None) -> Any: ...
 
     def close(self, force: bool = False) -> None: ...
 
@@ -36,6 +43,7 @@ class TrainerProxy:
 
     def __init__(self, ranks: RankGroup) -> None:
         self.ranks = ranks
+        self._layout: BatchLayout | None = None
 
     @property
     def world_size(self) -> int:
@@ -44,14 +52,44 @@ class TrainerProxy:
     def _call(self, method: str, *args, _sink: WeightSink | None = None, **kwargs) -> Any:
         return self.ranks.call(method, args, kwargs, _sink)
 
+    def batch_layout(self) -> BatchLayout:
+        """The ranks' data-parallel layout and batch limits (`MegatronTrainer.batch_layout`), asked once."""
+        if self._layout is None:
+            self._layout = self._call("batch_layout")
+        return self._layout
+
+    def _by_share(self, method: str, batch, routes: bool, *rest, **kwargs) -> Any:
+        """`method(share, *rest, **kwargs)` on every rank, each given only its data-parallel share of `batch`
+        (`batch.share_batch`; the routes only when the call uses them), after the checks every rank would
+        make, so a bad sequence fails here, before any rank starts its collectives."""
+        lay = self.batch_layout()
+        seqs = sequences(batch)
+        check_batch(seqs, max_seq_len=lay.max_seq_len, context_length=lay.context_length,
+                    vocab_size=lay.vocab_size)
+        if routes:
+            check_all_routes(seqs, lay.num_layers, lay.top_k, lay.num_experts)
+        calls = [((share, *rest), kwargs) for share in share_batch(seqs, lay.dp, routes=routes)]
+        return self.ranks.call_each(method, [calls[d] for d in lay.dp_ranks])
+
     def compute_logprobs(self, batch, *, replay: bool | None = None, temperature: float = 1.0):
-        return self._call("compute_logprobs", list(batch), replay=replay, temperature=temperature)
+        lay = self.batch_layout()
+        routes = lay.moe and (lay.replay_verify if replay is None else replay)
+        return self._by_share("compute_logprobs", batch, routes, replay=replay, temperature=temperature)
 
     def train_step(self, batch, *, temperature: float = 1.0, policy_version: int | None = None) -> dict[str, float]:
-        return self._call("train_step", list(batch), temperature=temperature, policy_version=policy_version)
+        lay = self.batch_layout()
+        for i, s in enumerate(sequences(batch)):  # what train_step refuses, refused before any rank starts
+            if s.advantage is None:
+                raise ValueError(f"sequence {i} has no advantage")
+            if lay.use_tis and s.rollout_logprobs is None:
+                raise ValueError(f"sequence {i} has no rollout log-probs (needed for TIS; set use_tis=False)")
+        return self._by_share("train_step", batch, lay.moe and lay.replay_train, temperature=temperature,
+                              policy_version=policy_version)
 
     def loss_on(self, batch, old_logprobs, *, temperature: float = 1.0) -> dict[str, float]:
-        return self._call("loss_on", list(batch), old_logprobs, temperature=temperature)
+        lay = self.batch_layout()
+        return self._by_share("loss_on", batch, lay.moe and lay.replay_train, old_logprobs,
+                              temperature=temperature)
 
     def sync_weights(self, sink, version: int | None = None, bucket_bytes: int = 64 << 20,
                      dtype: torch.dtype | None = None) -> dict[str, float]:

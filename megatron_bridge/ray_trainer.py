@@ -52,6 +52,11 @@ class TrainerRank:
         self.rank, self.world_size, self.local_rank, self.threads = rank, world_size, local_rank, threads
         self.trainer = None
         self.events: queue.Queue = queue.Queue(maxsize=2)
+        self.received: dict[str, int] = {}  # method -> bytes of batch data its last call received
+
+    def received_bytes(self) -> dict[str, int]:
+        """Bytes of sequence and array data each method's last call brought to this rank (`payload_bytes`)."""
+        return dict(self.received)
 
     def address(self) -> tuple[str, int, str]:
         """This node's address, a free port bound on it (the rendezvous when this is rank 0), and the node id."""
@@ -69,8 +74,15 @@ class TrainerRank:
         self.trainer = start_rank(self.rank, self.world_size, master, model_path, cfg, dtype, seed, self.threads,
                                   self.local_rank, setup)
 
-    def call(self, method: str, args: tuple, kwargs: dict, stream: bool) -> Any:
+    def call(self, method: str, payload: tuple[tuple, dict], stream: bool) -> Any:
+        """`payload` is `(args, kwargs)` (Ray resolved it from the object store); an argument that is itself an
+        ObjectRef (data every rank needs, put once) is fetched here."""
+        import ray
+
         self._device()  # a threaded actor runs calls on pool threads; the CUDA device is per thread
+        args, kwargs = payload
+        args = tuple(ray.get(a) if isinstance(a, ray.ObjectRef) else a for a in args)
+        self.received[method] = payload_bytes(args, kwargs)
         try:
             return run_call(self.trainer, self.rank, method, args, kwargs, _QueueSink(self.events) if stream else None)
         finally:
@@ -91,6 +103,49 @@ class TrainerRank:
     def _device(self) -> None:
         if self.local_rank is not None and torch.cuda.is_available():
             torch.cuda.set_device(self.local_rank)
+
+
+def payload_bytes(args: tuple, kwargs: dict) -> int:
+    """Bytes of the batch data in a call's arguments: sequences' arrays (`batch.sequence_bytes`) and arrays."""
+    import numpy as np
+
+    from megatron_bridge.batch import BatchShare, TrainSequence, sequence_bytes
+
+    total = 0
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, BatchShare):
+            total += a.nbytes()
+        elif isinstance(a, np.ndarray):
+            total += a.nbytes
+        elif isinstance(a, (list, tuple)):
+            total += sum(sequence_bytes(s) for s in a if isinstance(s, TrainSequence))
+    return total
+
+
+def _put_once(per_rank: list[tuple[tuple, dict]]) -> list[Any]:
+    """The object ref of each rank's payload: one `ray.put` per distinct payload object, and arguments shared by
+    several distinct payloads (the same object) put once and passed as refs inside them."""
+    import ray
+
+    distinct = list({id(p): p for p in per_rank}.values())
+    seen: dict[int, int] = {}
+    for args, _ in distinct:
+        for a in args:
+            if not isinstance(a, (int, float, str, bool, type(None))):
+                seen[id(a)] = seen.get(id(a), 0) + 1
+    shared = {i: None for i, n in seen.items() if n > 1}
+    refs: dict[int, Any] = {}
+    for p in distinct:
+        args, kwargs = p
+        out = []
+        for a in args:
+            if id(a) in shared:
+                if shared[id(a)] is None:
+                    shared[id(a)] = ray.put(a)
+                a = shared[id(a)]
+            out.append(a)
+        refs[id(p)] = ray.put((tuple(out), kwargs))
+    return [refs[id(p)] for p in per_rank]
 
 
 class RayRanks:
@@ -144,9 +199,15 @@ class RayRanks:
         return out
 
     def call(self, method: str, args: tuple, kwargs: dict, sink=None) -> Any:
+        return self.call_each(method, [(args, kwargs)] * self.world_size, sink)
+
+    def call_each(self, method: str, per_rank: list[tuple[tuple, dict]], sink=None) -> Any:
+        """Rank r's call gets `per_rank[r]`. Each distinct payload enters the object store once (ranks given the
+        same object share it), and so does an argument that several distinct payloads hold (`_put_once`)."""
         stream = method in STREAMS
         with self._lock:
-            refs = [a.call.remote(method, args, kwargs, stream) for a in self._actors]
+            refs_of = _put_once(per_rank)
+            refs = [a.call.remote(method, refs_of[r], stream) for r, a in enumerate(self._actors)]
             if stream:
                 self._drain(refs, sink)
             return self._gather(refs, what=method)[0]

@@ -65,7 +65,8 @@ def check_routes(seq: TrainSequence, num_layers: int, top_k: int, num_experts: i
 def check_all_routes(seqs: list[TrainSequence], num_layers: int, top_k: int, num_experts: int) -> None:
     """Every rank checks every sequence's routes, so a bad array fails all ranks before any collective."""
     for i, s in enumerate(seqs):
-        check_routes(s, num_layers, top_k, num_experts, where=str(i))
+        if s is not None:  # None: another data-parallel rank's sequence (the driver checked it)
+            check_routes(s, num_layers, top_k, num_experts, where=str(i))
 
 
 def attach_routes(mb: MicroBatch, seqs: list[TrainSequence], num_layers: int, top_k: int,

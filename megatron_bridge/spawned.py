@@ -191,7 +191,10 @@ class PipeRanks:
         return result
 
     def call(self, method: str, args: tuple, kwargs: dict, sink=None) -> Any:
-        for c in self._conns:
+        return self.call_each(method, [(args, kwargs)] * self.world_size, sink)
+
+    def call_each(self, method: str, per_rank: list[tuple[tuple, dict]], sink=None) -> Any:
+        for c, (args, kwargs) in zip(self._conns, per_rank, strict=True):
             c.send((method, args, kwargs))
         return self._replies(sink)
 

@@ -1,7 +1,8 @@
 """`MegatronTrainer`: the Megatron-Core side of the loop (log-probs, GRPO step, export, checkpoints).
 
-SPMD: every rank constructs the trainer and calls each method with the same arguments (the full batch); the
-trainer takes its data-parallel share itself and returns the full result on every rank. World size 1 runs in
+SPMD: every rank constructs the trainer and calls each method; a batch arrives whole (every rank takes its
+data-parallel share itself) or already cut by the driver into this rank's `BatchShare` (`TrainerProxy`: each rank
+receives only its share), and the full result comes back on every rank. World size 1 runs in
 the caller's process; `megatron_bridge.proxy.TrainerProxy` gives N ranks elsewhere (child processes or Ray
 actors) the same methods, so the loop's driver stays a plain sequence of calls.
 
@@ -30,7 +31,7 @@ import numpy as np
 import torch
 
 from megatron_bridge import checkpoint, convert, policy_loss
-from megatron_bridge.batch import TrainSequence, check_batch, sequences
+from megatron_bridge.batch import BatchLayout, BatchShare, RankBatch, TrainSequence, check_batch, rank_batch
 from megatron_bridge.config import TrainerConfig
 from megatron_bridge.logprobs import defer_output_layer
 from megatron_bridge.micro_batches import MicroBatchRunner
@@ -44,7 +45,9 @@ from megatron_bridge.model import (
 from megatron_bridge.offload import KINDS, TrainerMemory
 from megatron_bridge.parallel import ParallelConfig, init_parallel, use_cpu
 from megatron_bridge.replay import check_all_routes
+from megatron_bridge.throughput import log_once, probe, select_paths
 from megatron_bridge.weights_out import WeightsOut
+from megatron_bridge.wrap import make_optimizer, wrap_ddp
 
 
 def resolve_device(device: str) -> str:
@@ -101,70 +104,39 @@ class MegatronTrainer:
         self.pcfg = ParallelConfig(tp=cfg.tp, ep=cfg.ep, pp=cfg.pp, cp=cfg.cp, etp=cfg.etp)
         init_parallel(self.pcfg, device=self.device.type, seed=seed, timeout_s=cfg.dist_timeout_s)
         self.layout = convert.Layout.current()
+        self.paths = select_paths(probe(self.device.type), moe=self.arch.moe,
+                                  distributed_optimizer=cfg.use_distributed_optimizer)
+        log_once(self.paths)
         self.tconfig = transformer_config(self.arch, tp=cfg.tp, ep=cfg.ep, pp=cfg.pp, cp=cfg.cp, etp=cfg.etp,
-                                          dtype=self.dtype,
-                                          recompute=cfg.recompute, sequence_parallel=cfg.sequence_parallel)
+                                          dtype=self.dtype, recompute=cfg.recompute,
+                                          sequence_parallel=cfg.sequence_parallel, paths=self.paths)
         self.tconfig.calculate_per_token_loss = True
         model = build_model(self.arch, self.tconfig)
         if self.device.type == "cuda":
             model.cuda(torch.cuda.current_device())
         convert.load_hf_checkpoint(model, self.model_path, self.arch, self.layout)
         defer_output_layer(model)
-        self.model = self._wrap(model)
-        self.optimizer, self.scheduler = self._make_optimizer()
+        self.model = wrap_ddp(model, self.tconfig, cfg, self.dtype, self.paths)
+        self.optimizer, self.scheduler = make_optimizer(self.model, cfg, self.dtype, self.paths)
         self.micro = MicroBatchRunner(cfg, self.arch, self.layout, self.model, self.device)
         self.weights = WeightsOut(self.model, self.arch, self.layout, self.model_path)
         self.memory = TrainerMemory(self.model, self.optimizer)
         self.step_count = 0
         self.version = 0
 
-    # ------------------------------------------------------------------------------------------ setup
-
-    def _wrap(self, model):
-        from megatron.core.distributed import (
-            DistributedDataParallel,
-            DistributedDataParallelConfig,
-            finalize_model_grads,
-        )
-
-        if self.dtype != torch.float32:
-            from megatron.core.transformer.module import Float16Module
-
-            model = Float16Module(self.tconfig, model)
-        ddp_cfg = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True,
-            overlap_grad_reduce=False,
-            use_distributed_optimizer=self.cfg.use_distributed_optimizer,
-        )
-        ddp = DistributedDataParallel(config=self.tconfig, ddp_config=ddp_cfg, module=model)
-        self.tconfig.no_sync_func = ddp.no_sync
-        self.tconfig.finalize_model_grads_func = finalize_model_grads
-        return ddp
-
-    def _make_optimizer(self):
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-        c = self.cfg
-        ocfg = OptimizerConfig(
-            optimizer=c.optimizer, lr=c.lr, min_lr=c.min_lr, weight_decay=c.weight_decay,
-            adam_beta1=c.adam_beta1, adam_beta2=c.adam_beta2, adam_eps=c.adam_eps, clip_grad=c.grad_clip,
-            bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype,
-            use_distributed_optimizer=c.use_distributed_optimizer,
-        )
-        opt = get_megatron_optimizer(ocfg, [self.model])
-        sched = OptimizerParamScheduler(
-            opt, init_lr=0.0 if c.lr_warmup_steps else c.lr, max_lr=c.lr, min_lr=c.min_lr,
-            lr_warmup_steps=c.lr_warmup_steps, lr_decay_steps=max(c.steps, c.lr_warmup_steps + 1),
-            lr_decay_style=c.lr_decay_style, start_wd=c.weight_decay, end_wd=c.weight_decay,
-            wd_incr_steps=1, wd_incr_style="constant",
-        )
-        return opt, sched
-
     # ------------------------------------------------------------------------------------------ log-probs
 
-    def _checked(self, batch: Sequence[TrainSequence], use_replay: bool) -> list[TrainSequence]:
-        seqs = sequences(batch)
+    def batch_layout(self) -> BatchLayout:
+        """What a driver needs to cut a batch for the ranks and check it first (collective: every rank's DP rank)."""
+        ranks = [self.micro.dp_rank] * (torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1)
+        if len(ranks) > 1:
+            torch.distributed.all_gather_object(ranks, self.micro.dp_rank)
+        a, c = self.arch, self.cfg
+        return BatchLayout(self.micro.dp, tuple(ranks), a.moe, c.replay_train, c.replay_verify, c.use_tis,
+                           c.max_seq_len, a.context_length, a.vocab_size, a.num_layers, a.top_k, a.num_experts)
+
+    def _checked(self, batch: Sequence[TrainSequence] | BatchShare, use_replay: bool) -> RankBatch:
+        seqs = rank_batch(batch, self.micro.dp, self.micro.dp_rank)
         check_batch(seqs, max_seq_len=self.cfg.max_seq_len, context_length=self.arch.context_length,
                     vocab_size=self.arch.vocab_size)
         if use_replay:
@@ -216,10 +188,12 @@ class MegatronTrainer:
         training forward, and feed TIS: `w = min(exp(lp_old_train - lp_rollout), C)` (detached).
         """
         t0 = time.perf_counter()
-        seqs = sequences(batch)
+        seqs = rank_batch(batch, self.micro.dp, self.micro.dp_rank)
         if not seqs:
             raise ValueError("train_step needs at least one sequence")
         for i, s in enumerate(seqs):
+            if s is None:  # another data-parallel rank's
+                continue
             if s.advantage is None:
                 raise ValueError(f"sequence {i} has no advantage")
             if self.cfg.use_tis and s.rollout_logprobs is None:
@@ -237,7 +211,8 @@ class MegatronTrainer:
         ok, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
         self.step_count += 1
-        metrics.update(policy_loss.mismatch(seqs, old, policy_version))
+        metrics.update(policy_loss.mismatch(seqs, old, policy_version,
+                                            None if seqs.whole else self.micro.share_results))
         metrics.update(
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
             update_ok=float(bool(ok)),
@@ -270,7 +245,7 @@ class MegatronTrainer:
         ratio's denominator is `old_logprobs` (flat, as `compute_logprobs` returns them)."""
         use_replay = self.cfg.replay_train and self.arch.moe
         seqs = self._checked(batch, use_replay)
-        counts = [s.gen_ids.size for s in seqs]
+        counts = seqs.gen_counts
         old = np.split(np.asarray(old_logprobs, np.float32), np.cumsum(counts)[:-1])
         self.model.eval()
         return self._loss_pass(seqs, old, use_replay, temperature, forward_only=True)

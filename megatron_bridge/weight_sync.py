@@ -1,8 +1,9 @@
 """Weight sync trainer -> engines: HF-named tensors in buckets, tagged with the policy version.
 
-The trainer streams `(hf_name, tensor)` pairs (`MegatronTrainer.iter_hf_tensors`, collective over its ranks);
-`sync` groups them into buckets of about `bucket_bytes` and hands each bucket to the sending rank's sink (rank 0
-unless a transport has other ranks send):
+The trainer builds its weights in HF naming a bucket at a time, every rank together (`convert.iter_hf_buckets`:
+one collective per bucket); `sync_buckets` hands each bucket to the sending rank's sink (rank 0 unless a
+transport has other ranks send), and `sync` does the same for a stream of single tensors, grouped into buckets
+of about `bucket_bytes`:
 
     sink.begin(version); sink.push(bucket) ...; sink.end(version)
 
@@ -17,24 +18,27 @@ joins the two ends). Here:
 * `DiskSink`: writes an HF checkpoint folder (for `update_weights_from_disk`, and the export);
 * `CallableSink`: adapts a plain `fn(bucket, version)`;
 * GPU transports, streamed from the trainer's ranks straight to the servers (rollverify/app/weight_transport.py
-  chooses them): `TransportSink` moves each bucket as one flattened buffer (SGLang's
-  `FlattenedTensorBucket` layout, `flatten_bucket`) with `broadcast_sender` over SGLang's weight-update group
-  (`join_weight_group`: NCCL on GPU, gloo on CPU) or `ipc_sender` as a serialized payload (CUDA IPC handles
-  on GPU, shared memory on CPU), while a `BucketControl` carries the metadata and the commit. `ipc_handles`
-  serialises a bucket for the spawned trainer's pipe (GPU tensors as handles).
+  chooses them): `TransportSink` moves each bucket as one flattened buffer (SGLang's `FlattenedTensorBucket`
+  layout, `flatten_bucket`: one finite check per bucket) with a `BucketSender`: `BroadcastSender` over SGLang's
+  weight-update group (`join_weight_group`: NCCL on GPU, gloo on CPU), or `IpcSender` with one serialized payload
+  per server TP rank, each built on that rank's GPU by the trainer rank there (`IpcPeer`; CUDA IPC handles on
+  GPU, shared memory on CPU), while a `BucketControl` carries the metadata and the commit; pipelined by one
+  bucket. `ipc_handles` serialises a bucket for the spawned trainer's pipe (GPU tensors as handles).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import io
 import json
+import os
 import shutil
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -150,14 +154,20 @@ def buckets(tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> I
 
 def sync(tensors: Iterable[tuple[str, torch.Tensor]], sink: WeightSink | Callable | None, version: int, *,
          bucket_bytes: int = 64 << 20, is_driver: bool = True) -> dict[str, float]:
-    """Drain `tensors` (every rank must: the iterator is collective) and feed the driver's sink."""
+    """Drain `tensors` (every rank must: the iterator is collective) in buckets and feed the driver's sink."""
+    return sync_buckets(buckets(tensors, bucket_bytes), sink, version, is_driver=is_driver)
+
+
+def sync_buckets(stream: Iterable[Bucket], sink: WeightSink | Callable | None, version: int, *,
+                 is_driver: bool = True) -> dict[str, float]:
+    """Drain the buckets of `stream` (every rank must: building each is collective) into the driver's sink."""
     if sink is not None and not isinstance(sink, WeightSink):
         sink = CallableSink(sink)
     t0 = time.perf_counter()
     n_bytes = n_tensors = n_buckets = 0
     if is_driver and sink is not None:
         sink.begin(version)
-    for bucket in buckets(tensors, bucket_bytes):
+    for bucket in stream:
         n_buckets += 1
         n_tensors += len(bucket)
         n_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
@@ -165,7 +175,7 @@ def sync(tensors: Iterable[tuple[str, torch.Tensor]], sink: WeightSink | Callabl
             sink.push(bucket)
     if is_driver and sink is not None:
         sink.end(version)
-    extra = sink.stats() if isinstance(sink, TransportSink) else {}
+    extra = sink.stats() if is_driver and hasattr(sink, "stats") else {}
     return {"sync_time_s": time.perf_counter() - t0, "sync_bytes": float(n_bytes), "sync_tensors": float(n_tensors),
             "sync_buckets": float(n_buckets), "version": float(version), **extra}
 
@@ -216,10 +226,8 @@ class BucketMeta:
 
 def flatten_bucket(bucket: Bucket) -> tuple[torch.Tensor, BucketMeta]:
     """One uint8 tensor holding the bucket's bytes (on the tensors' device), and its meta. Refuses non-finite
-    values: the receivers load what arrives without looking at it."""
-    bad = [n for n, t in bucket if t.is_floating_point() and not bool(torch.isfinite(t).all())]
-    if bad:
-        raise ValueError(f"weights {bad[:5]} hold non-finite values (NaN or inf); nothing was sent")
+    values, with one check for the whole bucket (one host sync, not one per tensor): the receivers load what
+    arrives without looking at it."""
     offset = 0
     for name, t in bucket:
         if offset % t.element_size():
@@ -227,6 +235,12 @@ def flatten_bucket(bucket: Bucket) -> tuple[torch.Tensor, BucketMeta]:
                              f"multiple of {t.element_size()}: receivers view it in place; order a mixed-dtype "
                              "bucket by element size")
         offset += t.numel() * t.element_size()
+    floats = [(n, t) for n, t in bucket if t.is_floating_point()]
+    if floats:
+        finite = torch.stack([torch.isfinite(t).all() for _, t in floats])  # on the device, no sync yet
+        if not bool(finite.all()):  # the bucket's one host sync
+            bad = [n for (n, _), ok in zip(floats, finite.tolist(), strict=True) if not ok]
+            raise ValueError(f"weights {bad[:5]} hold non-finite values (NaN or inf); nothing was sent")
     flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in bucket])
     return flat, BucketMeta.of(bucket)
 
@@ -264,7 +278,9 @@ class BucketControl(Protocol):
 
     def begin(self, version: int) -> None: ...
 
-    def announce(self, index: int, meta: BucketMeta, payloads: list[bytes] | None = None) -> None: ...
+    def announce(self, index: int, meta: BucketMeta, payloads: dict[int, list[bytes]] | None = None) -> None:
+        """`payloads` (ipc): server index -> one serialized payload per TP rank of that server."""
+        ...
 
     def settle(self, index: int) -> None: ...
 
@@ -279,66 +295,186 @@ class BucketControl(Protocol):
         ...
 
 
-class TransportSink:
-    """A `WeightSink` on a source rank that streams buckets straight to the servers: `send(flat, meta)` moves
-    the bytes (a broadcast, or CUDA IPC handles), `control` carries the rest. One bucket is alive at a time (it
-    stays alive until every server has loaded it), so no process ever holds a whole copy of the model."""
+class BucketSender(Protocol):
+    """How a transport moves a bucket's bytes: `prepare` runs while the servers still load the previous bucket
+    (an IPC payload and its gather), `send` after they loaded it (announce, and the broadcast); `finish` after
+    the commit. Whatever `prepare` returns stays alive until the bucket has loaded."""
 
-    def __init__(self, control: BucketControl, send: Callable[[torch.Tensor, BucketMeta, int], None]) -> None:
-        self.control, self.send = control, send
+    def prepare(self, flat: torch.Tensor, meta: BucketMeta, index: int) -> Any: ...
+
+    def send(self, prepared: Any, meta: BucketMeta, index: int) -> None: ...
+
+    def finish(self) -> None: ...
+
+
+class TransportSink:
+    """A `WeightSink` on a source rank that streams buckets straight to the servers: `sender` moves the bytes
+    (a broadcast, or CUDA IPC handles), `control` carries the rest. Pipelined by one bucket: while the servers
+    load bucket k the trainer builds bucket k + 1 (its gathers, its one finite check, its payloads), then waits
+    for k and sends k + 1; so at most two buckets are alive, and no process ever holds a whole copy of the
+    model."""
+
+    def __init__(self, control: BucketControl, sender: BucketSender) -> None:
+        self.control, self.sender = control, sender
         self.version, self.index, self.bytes = -1, 0, 0
+        self.inflight: tuple[int, Any] | None = None  # (index, what keeps its bytes alive) until it has loaded
 
     def begin(self, version: int) -> None:
-        self.version, self.index, self.bytes = version, 0, 0
+        self.version, self.index, self.bytes, self.inflight = version, 0, 0, None
         self.control.begin(version)
 
     def push(self, bucket: Bucket) -> None:
-        try:
+        with self._aborting(f"bucket {self.index}"):
             flat, meta = flatten_bucket(bucket)
-            self.send(flat, meta, self.index)
-            self.control.settle(self.index)
-        except BaseException as e:
-            try:
-                self.control.abort(self.version, f"bucket {self.index}: {type(e).__name__}: {e}")
-            finally:
-                self.control.close()
-            raise
+            prepared = self.sender.prepare(flat, meta, self.index)
+            self._settle()
+            self.sender.send(prepared, meta, self.index)
+            self.inflight = (self.index, (flat, prepared))
         self.index += 1
         self.bytes += meta.nbytes
+
+    def _settle(self) -> None:
+        if self.inflight is not None:
+            self.control.settle(self.inflight[0])
+            self.inflight = None
 
     def stats(self) -> dict[str, float]:
         return {"sync_control_bytes": float(self.control.control_bytes())}
 
     def end(self, version: int) -> None:
         try:
-            self.control.commit(version, self.index)
-        except BaseException as e:
-            self.control.abort(version, f"commit: {type(e).__name__}: {e}")
-            raise
+            with self._aborting("commit", close=False):
+                self._settle()
+                self.control.commit(version, self.index)
+            self.sender.finish()
         finally:
             self.control.close()
 
+    @contextlib.contextmanager
+    def _aborting(self, what: str, close: bool = True):
+        try:
+            yield
+        except BaseException as e:
+            try:
+                self.control.abort(self.version, f"{what}: {type(e).__name__}: {e}")
+            finally:
+                if close:
+                    self.control.close()
+            raise
 
-def broadcast_sender(control: BucketControl, group: dist.ProcessGroup) -> Callable[[torch.Tensor, BucketMeta, int],
-                                                                                  None]:
-    """Disaggregated: announce the bucket (the servers start receiving), then broadcast its bytes from rank 0."""
 
-    def send(flat: torch.Tensor, meta: BucketMeta, index: int) -> None:
-        control.announce(index, meta)
-        dist.broadcast(flat, src=0, group=group)
+class BroadcastSender:
+    """Disaggregated: announce the bucket (the servers start receiving), then broadcast its bytes from rank 0
+    of the weight-update group `group`."""
 
-    return send
+    def __init__(self, control: BucketControl, group: dist.ProcessGroup) -> None:
+        self.control, self.group = control, group
+
+    def prepare(self, flat: torch.Tensor, meta: BucketMeta, index: int) -> torch.Tensor:
+        return flat
+
+    def send(self, prepared: torch.Tensor, meta: BucketMeta, index: int) -> None:
+        self.control.announce(index, meta)
+        dist.broadcast(prepared, src=0, group=self.group)
+
+    def finish(self) -> None:
+        pass
 
 
-def ipc_sender(control: BucketControl, tp_size: int,
-               serialize: Callable[[torch.Tensor, BucketMeta], bytes]) -> Callable[[torch.Tensor, BucketMeta, int], None]:
-    """Colocated: the bucket as the receiving servers' payload (`serialize(flat, meta)`: SGLang's flattened
-    bucket, sglang_ext.tensor_payload.serialize_flattened), one per server TP rank. A CUDA tensor travels as a
-    CUDA IPC handle (the server maps this rank's memory: no copy); a CPU tensor through torch's shared memory.
-    The tensor stays alive until `settle` returns, that is until the server has loaded it."""
+Serialize = Callable[[torch.Tensor, BucketMeta], bytes]
 
-    def send(flat: torch.Tensor, meta: BucketMeta, index: int) -> None:
-        payload = serialize(flat, meta)
-        control.announce(index, meta, [payload] * tp_size)
 
-    return send
+def device_tag(t: torch.Tensor) -> str:
+    """The GPU a tensor lives on, as every process names it (its UUID: processes see other
+    CUDA_VISIBLE_DEVICES); on CPU the GPU the rank stands for (`LOCAL_RANK`), so the CPU path checks the same
+    placement."""
+    if t.is_cuda:
+        return f"cuda:{torch.cuda.get_device_properties(t.device).uuid}"
+    return f"cpu:{os.environ.get('LOCAL_RANK', '0')}"
+
+
+@dataclass(frozen=True)
+class IpcServer:
+    """One colocated server as its source rank sees it: `index` among the control's servers, its TP size, and
+    the gloo group of the trainer ranks on its GPUs in TP order (this rank first; None: this rank alone)."""
+
+    index: int
+    tp: int
+    group: Any = None
+
+
+class IpcSender:
+    """Colocated: each server TP rank j gets its own payload (`serialize(flat, meta)`: SGLang's flattened bucket,
+    sglang_ext.tensor_payload.serialize_flattened) of the bucket as built on its own GPU, by the trainer rank
+    there (`IpcPeer`), gathered to this source rank over the server's group; SGLang's TP rank j reads only
+    payload j (sglang/srt/managers/tp_worker.py). A CUDA tensor travels as a CUDA IPC handle (the server maps the
+    producing rank's memory: no copy), a CPU one through torch's shared memory. A server with TP ranks on GPUs
+    no trainer rank holds (CPU layouts only) gets a distinct serialization per TP rank from this rank."""
+
+    def __init__(self, control: BucketControl, servers: list[IpcServer], serialize: Serialize) -> None:
+        self.control, self.servers, self.serialize = control, servers, serialize
+        self.devices: dict[int, list[str]] = {}  # server -> the GPU each TP rank's last payload was built on
+
+    def prepare(self, flat: torch.Tensor, meta: BucketMeta, index: int) -> dict[int, list[bytes]]:
+        out: dict[int, list[bytes]] = {}
+        for s in self.servers:
+            if s.group is None:
+                if flat.is_cuda and s.tp > 1:
+                    raise ValueError(f"server {s.index} has {s.tp} TP ranks but no trainer ranks on its other GPUs: "
+                                     "a colocated server's GPUs must each hold a trainer rank")
+                out[s.index] = [self.serialize(flat, meta) for _ in range(s.tp)]
+                self.devices[s.index] = [device_tag(flat)] * s.tp
+                continue
+            got: list[Any] = [None] * s.tp
+            dist.gather_object((device_tag(flat), self.serialize(flat, meta)), got, dst=dist.get_global_rank(
+                s.group, 0), group=s.group)
+            tags = [t for t, _ in got]
+            if len(set(tags)) != len(tags):
+                raise ValueError(f"server {s.index}: payloads of its TP ranks come from GPUs {tags}; each must come "
+                                 "from its own GPU")
+            out[s.index], self.devices[s.index] = [p for _, p in got], tags
+        return out
+
+    def send(self, prepared: dict[int, list[bytes]], meta: BucketMeta, index: int) -> None:
+        self.control.announce(index, meta, prepared)
+
+    def finish(self) -> None:
+        for s in self.servers:  # the peers keep their buffers until the commit
+            if s.group is not None:
+                dist.barrier(group=s.group)
+
+
+class IpcPeer:
+    """The `WeightSink` of a trainer rank on a colocated server's GPU other than its first: each bucket built
+    on this GPU, serialized, gathered to the server's source rank (`IpcSender`). A bucket's buffer stays alive
+    until the bucket after next (the source waits for bucket k before it gathers k + 2) and the last ones
+    until the source's commit."""
+
+    def __init__(self, group: Any, serialize: Serialize) -> None:
+        self.group, self.serialize = group, serialize
+        self.alive: list[torch.Tensor] = []
+
+    def begin(self, version: int) -> None:
+        self.alive = []
+
+    def push(self, bucket: Bucket) -> None:
+        flat, meta = flatten_bucket(bucket)
+        dist.gather_object((device_tag(flat), self.serialize(flat, meta)), None,
+                           dst=dist.get_global_rank(self.group, 0), group=self.group)
+        self.alive = [*self.alive[-1:], flat]
+
+    def end(self, version: int) -> None:
+        dist.barrier(group=self.group)
+        self.alive = []
+
+
+_IPC_GROUPS: dict[tuple[int, ...], Any] = {}
+
+
+def ipc_group(ranks: tuple[int, ...]) -> Any:
+    """The gloo group of the trainer ranks on one colocated server's GPUs (made once per rank set; collective:
+    every rank of the trainer calls it for every set, in the same order)."""
+    key = tuple(ranks)
+    if key not in _IPC_GROUPS:
+        _IPC_GROUPS[key] = dist.new_group(list(key), backend="gloo")
+    return _IPC_GROUPS[key]

@@ -1,8 +1,8 @@
 """`WeightsOut`: a trainer rank's weights leaving it in HF naming: streamed to a sink, to the servers through a
 weight transport, or written as an HF folder.
 
-Every rank takes part (the export gathers TP/EP/PP shards tensor by tensor, `convert.iter_hf_tensors`); only
-the rank that holds the sink, the rank-0 driver of `weight_sync.sync`, receives whole tensors, bucket by bucket.
+Every rank takes part (the export gathers TP/EP/PP shards: a bucket at a time, one collective each, for a sync or
+a transport, `convert.iter_hf_buckets`; also for an HF folder); only the ranks that hold a sink receive whole tensors, bucket by bucket.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import torch.distributed as dist
 
 from megatron_bridge import convert
 from megatron_bridge.model import ModelArch
+
+EXPORT_BUCKET_BYTES = 1 << 30  # an HF folder's shard (one safetensors file per bucket)
 
 
 def is_driver() -> bool:
@@ -39,24 +41,28 @@ class WeightsOut:
         path. Without `out_dir`, the state as a dict of CPU tensors (small models, tests)."""
         if out_dir is None:
             return {k: v.detach().cpu().clone() for k, v in self.iter_hf_tensors(dtype)}
-        from megatron_bridge.weight_sync import DiskSink, sync
+        from megatron_bridge.weight_sync import DiskSink, sync_buckets
 
         sink = DiskSink(out_dir, self.model_path) if is_driver() else None
-        sync(self.iter_hf_tensors(dtype), sink, version, is_driver=is_driver())
+        sync_buckets(self.iter_buckets(EXPORT_BUCKET_BYTES, dtype), sink, version, is_driver=is_driver())
         return Path(out_dir)
+
+    def iter_buckets(self, bucket_bytes: int, dtype: torch.dtype | None = None) -> Iterator[list]:
+        """The HF tensors in buckets of about `bucket_bytes`, one collective per bucket (`convert.iter_hf_buckets`),
+        on every rank."""
+        return convert.iter_hf_buckets(self.model, self.arch, self.layout, bucket_bytes, dtype)
 
     def sync(self, sink, version: int, bucket_bytes: int, dtype: torch.dtype | None = None) -> dict[str, float]:
         """Rank 0 pushes buckets of about `bucket_bytes` to `sink`, tagged `version`; other ranks only gather."""
-        from megatron_bridge.weight_sync import sync
+        from megatron_bridge.weight_sync import sync_buckets
 
-        return sync(self.iter_hf_tensors(dtype), sink if is_driver() else None, version, bucket_bytes=bucket_bytes,
-                    is_driver=is_driver())
+        return sync_buckets(self.iter_buckets(bucket_bytes, dtype), sink if is_driver() else None, version,
+                            is_driver=is_driver())
 
     def send(self, spec, version: int, bucket_bytes: int, dtype: torch.dtype | None = None) -> dict[str, float]:
         """Each rank sends from its own `spec.open_sink(rank)` (`rollverify.app.weight_transport.TransportSpec`), or
         only joins the gathers; nothing crosses the driver."""
-        from megatron_bridge.weight_sync import sync
+        from megatron_bridge.weight_sync import sync_buckets
 
         sink = spec.open_sink(dist.get_rank() if dist.is_initialized() else 0)
-        return sync(self.iter_hf_tensors(dtype), sink, version, bucket_bytes=bucket_bytes,
-                    is_driver=sink is not None)
+        return sync_buckets(self.iter_buckets(bucket_bytes, dtype), sink, version, is_driver=sink is not None)

@@ -10,7 +10,7 @@ The payload stays a handle to shared memory rather than the tensors' bytes: a co
 must fit in a control message's header (16 MiB, base64), and the CPU path is the GPU path's stand-in (a handle to
 the sender's memory, alive until the server has loaded it). Callers block while retrying (at most 3 s of sleep),
 after a failed handshake that already blocked them longer. `serialize_flattened` is the payload of one
-flattened bucket of the colocated transport (the trainer wing's `ipc_sender` is handed it by the application).
+flattened bucket of the colocated transport (the trainer wing's `IpcSender` and `IpcPeer` are handed it by the application).
 """
 
 from __future__ import annotations

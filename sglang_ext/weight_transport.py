@@ -94,16 +94,20 @@ class ServerControl:
                 ws = self._run(conn.call("weights")).body["weights"]
                 self.served[i] = {w["name"]: (list(w["shape"]), w["dtype"]) for w in ws}
 
-    def announce(self, index: int, meta, payloads: list[bytes] | None = None) -> None:
-        """Send bucket `index`'s step to every server without waiting; refuse a bucket a server would refuse
-        before anything is sent (a broadcast nobody receives would only end at the timeout)."""
+    def announce(self, index: int, meta, payloads: dict[int, list[bytes]] | None = None) -> None:
+        """Send bucket `index`'s step to every server without waiting (ipc: server i gets `payloads[i]`, one
+        per TP rank); refuse a bucket a server would refuse before anything is sent (a broadcast nobody
+        receives would only end at the timeout)."""
         self._check(meta)
         body: dict[str, Any] = {"step": "bucket", "version": self.version, "bucket": index, **meta.as_body()}
         if self.kind == "distributed":
             body["group"] = self.spec.group
-        else:
-            body["payloads"] = [base64.b64encode(p).decode() for p in payloads or []]
-        self.pending = _Pending(index, {i: self._submit(c.call(self.op, body)) for i, c in self.conns.items()})
+        calls = {}
+        for i, c in self.conns.items():
+            if self.kind == "ipc":
+                body = {**body, "payloads": [base64.b64encode(p).decode() for p in (payloads or {}).get(i, [])]}
+            calls[i] = self._submit(c.call(self.op, body))
+        self.pending = _Pending(index, calls)
 
     def settle(self, index: int) -> None:
         pending, self.pending = self.pending, None

@@ -92,7 +92,7 @@ def _roundtrip_errors(model, arch, path) -> list[str]:
     """Export the freshly loaded model and compare bit for bit with the checkpoint; returns what differs."""
     from safetensors.torch import load_file
 
-    from megatron_bridge.convert import iter_hf_tensors
+    from megatron_bridge.convert import iter_hf_buckets, iter_hf_tensors
 
     ref = load_file(os.path.join(str(path), "model.safetensors"))
     seen, bad = set(), []
@@ -101,6 +101,14 @@ def _roundtrip_errors(model, arch, path) -> list[str]:
         if name not in ref or t.dtype != ref[name].dtype or not torch.equal(t, ref[name]):
             bad.append(name)
     bad += [f"missing {n}" for n in set(ref) - seen]
+    # the bucketed export (weight push), at a bucket size that splits a layer's experts over several buckets
+    seen = set()
+    for bucket in iter_hf_buckets(model, arch, bucket_bytes=2 << 10):
+        for name, t in bucket:
+            if name in seen or name not in ref or t.dtype != ref[name].dtype or not torch.equal(t, ref[name]):
+                bad.append(f"bucketed {name}")
+            seen.add(name)
+    bad += [f"bucketed: missing {n}" for n in set(ref) - seen]
     return bad
 
 

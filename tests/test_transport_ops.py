@@ -60,7 +60,23 @@ def _sink(servers):
 
     spec = TransportSpec("ipc", tuple(s.endpoint for s in servers), timeout_s=20.0)
     control = ServerControl(spec, list(range(len(servers))))
-    return TransportSink(control, lambda flat, meta, i: control.announce(i, meta, [f"b{i}".encode()]))
+    return TransportSink(control, _Labels(control, len(servers)))
+
+
+class _Labels:
+    """A sender whose payloads are labels: bucket i carries b"b{i}" to every server."""
+
+    def __init__(self, control, n: int):
+        self.control, self.n = control, n
+
+    def prepare(self, flat, meta, index):
+        return {s: [f"b{index}".encode()] for s in range(self.n)}
+
+    def send(self, prepared, meta, index):
+        self.control.announce(index, meta, prepared)
+
+    def finish(self):
+        pass
 
 
 def _stream(servers, version: int) -> None:
@@ -90,8 +106,9 @@ def test_a_failure_on_one_server_aborts_all_and_blocks_launching_until_a_whole_v
         sink = _sink([a, b])
         sink.begin(5)
         sink.push(BUCKETS[0])
+        sink.push(BUCKETS[1])  # pipelined: bucket 1's failure shows when bucket 2 waits for it
         with pytest.raises(RuntimeError, match=rf"bucket 1 of version 5 failed on 1 of 2 server\(s\): {b.endpoint}"):
-            sink.push(BUCKETS[1])
+            sink.push(BUCKETS[2])
         for s in (a, b):
             assert _version(s) == 0 and "partly loaded" in s.server.records.blocked
             assert s.engine.calls[-1] == "end" and "flush" not in s.engine.calls
@@ -121,6 +138,7 @@ def test_commit_of_another_bucket_count_is_refused_and_ends_the_stream():
         sink = _sink([a])
         sink.begin(2)
         sink.push(BUCKETS[0])
+        sink.control.settle(0)  # bucket 0 has loaded (the pipelined sink waits for it only before bucket 1)
 
         async def commit():
             conn = await ServerConnection(a.endpoint, timeout_s=10.0).start()
@@ -153,3 +171,23 @@ def test_memory_handoff_bookkeeping():
             control.close()
         assert a.engine.calls == ["release weights,kv_cache,cuda_graph", "resume weights",
                                   "resume kv_cache,cuda_graph"]
+
+
+def test_a_paper_push_takes_one_data_collective_one_host_sync_and_one_round_trip_per_bucket():
+    """tools/push_ops.py counts the real push (Qwen3-30B-A3B's layout: TP 4, EP 16, servers of TP 4) on meta
+    tensors: per bucket one all-gather of shards (none for buckets of replicated tensors), one gather of the
+    TP ranks' IPC payloads, one finite check read back and one message to the server; with buckets that hold a
+    layer's experts, each layer's 128 experts come in one all-gather over the EP group."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import push_ops
+
+    r = push_ops.push_counts("configs/qwen3_30b_a3b_base.yaml", 1280 << 20)
+    n, detail = r["buckets"], r["detail"]
+    assert r["tensors"] == 48 * (128 * 3 + 9) + 3 and r["payloads"] == n * 1  # this rank's own, one a bucket
+    data = {k: v for k, v in detail.items() if k.startswith("collectives:all_gather")}
+    assert sum(data.values()) <= n and detail["collectives:all_gather@etp_ep"] == 48  # one a layer
+    assert detail["collectives:gather_object@ipc"] == n and detail["collectives:barrier@ipc"] == 1
+    assert r["host_syncs"] == n and detail["round_trips:bucket"] == n and r["round_trips_per_server"] == n + 2

@@ -1,6 +1,6 @@
 """GPU smoke test of the trainer (part A) and of the SGLang rollout side (part B): one PASS/FAIL line per check.
 
-    python tools/gpu_smoke.py                          # part A on cuda:0 (<= 8 min on one GPU), gpu_smoke.json
+    python tools/gpu_smoke.py                          # parts A and G on cuda:0 (<= 8 min on one GPU), gpu_smoke.json
     python tools/gpu_smoke.py --part B                 # part B: needs SGLang's GPU install
     python tools/gpu_smoke.py --device cpu --quick     # dry run of part A's logic on CPU with small shapes
 
@@ -9,9 +9,9 @@ nothing is pinned and nothing else is imported: the project modules it uses, `me
 `rollverify.{tiny_model,verify,losses,config,strategies,types}`, import only those, numpy and PyYAML, which
 transformers requires). Its checks:
 
-- parity_{dense,moe,0p6b}_{fp32,bf16}: the tiny dense and MoE models and a random Qwen3 shaped like Qwen3-0.6B,
-  trainer log-probs of every token against transformers on the same device (fp32: max |diff| <= 1e-4; bf16:
-  mean |diff| <= 2e-3).
+- parity_{dense,moe,0p6b}_fp32, parity_0p6b_bf16: the tiny dense and MoE models and a random Qwen3 shaped like
+  Qwen3-0.6B, trainer log-probs of every token against transformers on the same device (fp32: max |diff| <= 1e-4;
+  bf16: mean |diff| <= 2e-3).
 - train_step_bf16: one GRPO step of the 0.6B-shaped model in bf16: finite, positive grad norm; the distributed
   optimizer's main params are fp32 on the device and each bf16 weight is its main param rounded; the gradient
   Adam took is the clipped one (its first moment has norm (1 - beta1) * min(grad norm, grad_clip)).
@@ -28,6 +28,12 @@ transformers requires). Its checks:
 - computeprob_throughput, train_step_mfu: tokens/s of ComputeProb and the model FLOP utilisation of a bf16
   train step of the 0.6B-shaped model (6 N per trained token + 2 N per recomputed old-log-prob token; the
   attention's S^2 term is left out, so the MFU is a lower bound).
+
+Part G (tools/gpu_checks.py): a process holding 85 % of the GPU while the trainer is built (release, build,
+offload, take again; the trainer process's residual against the planner's per-process overhead), per-layer
+activation bytes at the Qwen3-8B and Qwen3-30B-A3B layer shapes against the planner's, one CUDA-IPC payload per
+consumer rebuilt by two processes and the producer's memory back after they drop it, and which attention kernel
+ran. On CPU only the IPC plumbing (shared memory) and the kernel choice run.
 
 Part B (SGLang on CUDA): `rollverify serve` on the tiny model; pause / truncate / resume of live responses; a
 weight update through the colocated transport; the engine-versus-trainer log-prob floor in bf16 against `d_s`;
@@ -116,6 +122,7 @@ class Env:
     device: str
     quick: bool
     workdir: Path
+    plan_figures: str | None = None  # part G: the planner's figures where it does not import (gpu_checks)
 
     @property
     def cuda(self) -> bool:
@@ -509,7 +516,7 @@ def part_a(env: Env, smoke: Smoke) -> None:
     bf16 = "bfloat16"
     for name in ("dense", "moe", "0p6b"):
         smoke.run(f"parity_{name}_fp32", lambda n=name: check_parity(n, "float32", env))
-        smoke.run(f"parity_{name}_bf16", lambda n=name: check_parity(n, bf16, env))
+    smoke.run("parity_0p6b_bf16", lambda: check_parity("0p6b", bf16, env))  # the tiny models' bf16: CPU-covered
     smoke.run("checkpoint_roundtrip", lambda: check_checkpoint(env))
     smoke.run("routing_replay_bitwise", lambda: check_replay(env))
     smoke.run("verify_device_equals_cpu", lambda: check_verify(env))
@@ -784,14 +791,24 @@ def _memory_handoff(path: str, env: Env, dtype: str, args: list[str]) -> Check:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--part", choices=["A", "B", "AB"], default="A")
+    p.add_argument("--part", choices=["A", "B", "G", "AG", "AB", "ABG"], default="AG",
+                   help="A: the trainer, G: colocated memory, IPC and kernels (tools/gpu_checks.py), B: SGLang")
     p.add_argument("--device", default="cuda", help="cuda (cuda:N) or cpu (a dry run of the logic)")
     p.add_argument("--quick", action="store_true", help="small shapes (the 0.6B model cut down, short lengths)")
     p.add_argument("--budget-s", type=float, default=450.0, help="checks not started by then are skipped")
     p.add_argument("--checks", default=None, help="comma list: run only these checks (default: all of the part)")
     p.add_argument("--json", default="gpu_smoke.json")
     p.add_argument("--workdir", default=None, help="models and checkpoints go here (default: a temp folder)")
+    p.add_argument("--plan-figures", default=None, help="part G: the planner's figures as --write-plan-figures wrote "
+                   "them (where rollverify.app.plan does not import)")
+    p.add_argument("--write-plan-figures", default=None, metavar="PATH",
+                   help="write the planner's figures for part G to PATH and exit (needs the project's install)")
     args = p.parse_args(argv)
+    if args.write_plan_figures:
+        import gpu_checks
+
+        gpu_checks.write_plan_figures(args.write_plan_figures)
+        return 0
     warnings.filterwarnings("ignore")
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     import torch
@@ -802,11 +819,15 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="rollverify-gpu-smoke-"))
     workdir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("ROLLVERIFY_CACHE", str(workdir / "cache"))  # the models made here stay here
-    env = Env(args.device, args.quick, workdir)
+    env = Env(args.device, args.quick, workdir, args.plan_figures)
     smoke = Smoke(args.budget_s, set(args.checks.split(",")) if args.checks else None)
     t0 = time.monotonic()
     if "A" in args.part:
         part_a(env, smoke)
+    if "G" in args.part:
+        import gpu_checks
+
+        gpu_checks.run_all(smoke, env, Check, lambda name: model_path(name, env))
     if "B" in args.part:
         part_b(env, smoke)
     failed = [c.name for c in smoke.checks if c.passed is False]

@@ -4,14 +4,16 @@ servers; ZMQ carries control only.
     placement       transport      data path of each bucket
     local launcher  in_memory      trainer -> driver -> ZMQ frames -> server (`SGLangRolloutEngine.update_weights`)
     disaggregated   distributed    trainer source rank --broadcast (NCCL; gloo on CPU)--> every server's TP ranks
-    colocated       ipc            trainer rank --CUDA IPC handle (shared memory on CPU)--> the server on its GPUs
+    colocated       ipc            the trainer rank on each of a server's GPUs --CUDA IPC handle (shared memory on
+                                   CPU), gathered to the first--> that GPU's server TP rank
 
 `TransportSpec` is what the driver hands the trainer (it crosses a pipe or Ray): the servers' endpoints and
 keys, and how to reach them. On each trainer rank `spec.open_sink(rank)` is the rank's `WeightSink` for
-`megatron_bridge.weight_sync.sync` (None where the rank only joins the gathers): the trainer wing's
+`megatron_bridge.weight_sync.sync_buckets` (None where the rank only joins the gathers): the trainer wing's
 `TransportSink` whose control is the server wing's `ServerControl` (this rank's own ZMQ connections to the
-servers) and whose sender moves the bytes. The trainer streams its export bucket by bucket (each bucket gathered
-over TP/EP when it is built), so no process holds a whole copy of the model. `TransportWeights` is the loop's
+servers) and whose sender moves the bytes, or (ipc) an `IpcPeer` that hands its own GPU's payloads to the
+server's source rank. The trainer streams its export bucket by bucket (each bucket gathered over TP/EP, one
+collective, when it is built), so no process holds a whole copy of the model. `TransportWeights` is the loop's
 `WeightSync` over it; each wing keeps its own end, and this module joins them.
 """
 
@@ -21,7 +23,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from megatron_bridge.weight_sync import TransportSink, broadcast_sender, ipc_sender, join_weight_group
+from megatron_bridge.weight_sync import (
+    BroadcastSender,
+    IpcPeer,
+    IpcSender,
+    IpcServer,
+    TransportSink,
+    ipc_group,
+    join_weight_group,
+)
 from sglang_ext.client import CurveKeys
 from sglang_ext.pool import ServerAddress
 from sglang_ext.tensor_payload import serialize_flattened
@@ -47,11 +57,12 @@ class TransportSpec:
 
     `group` names the weight-update group (distributed): a new name makes a new group, as when a server was
     replaced. `master_addr` is the source rank's address the servers connect to (default: its host's address);
-    `backend` defaults to NCCL with a GPU, gloo without. `ipc_sources[i]` is the trainer rank colocated with
-    server i (its first GPU), which sends it every bucket (default: rank 0 for every server). With several
-    source ranks each commits its own servers once they have loaded every bucket; the ranks do not agree on the
-    commit among themselves, so a failure on one leaves the others' servers on the new version (each server
-    still whole)."""
+    `backend` defaults to NCCL with a GPU, gloo without. `ipc_ranks[i]` are the trainer ranks on server i's
+    GPUs in its TP order (ipc): each builds every bucket on its own GPU and hands its payload to the first,
+    server i's source, which sends the server one payload per TP rank; without them rank `source_rank` serves
+    every server (CPU layouts). With several source ranks each commits its own servers once they have loaded
+    every bucket; the ranks do not agree on the commit among themselves, so a failure on one leaves the others'
+    servers on the new version (each server still whole)."""
 
     kind: Literal["distributed", "ipc"]
     endpoints: tuple[str, ...]
@@ -60,7 +71,7 @@ class TransportSpec:
     group: str = "rollverify-weights"
     backend: str | None = None
     master_addr: str | None = None
-    ipc_sources: tuple[int, ...] = ()
+    ipc_ranks: tuple[tuple[int, ...], ...] = ()
     timeout_s: float = 300.0
     source_rank: int = 0
 
@@ -68,25 +79,35 @@ class TransportSpec:
         n = len(self.endpoints)
         if not n:
             raise ValueError("a weight transport needs at least one server endpoint")
-        for name in ("curve", "server_tp", "ipc_sources"):
+        for name in ("curve", "server_tp", "ipc_ranks"):
             got = getattr(self, name)
             if got and len(got) != n:
                 raise ValueError(f"TransportSpec.{name} has {len(got)} entries for {n} endpoints (one each)")
+        for i, ranks in enumerate(self.ipc_ranks):
+            if len(ranks) != self.tp(i):
+                raise ValueError(f"TransportSpec.ipc_ranks[{i}] names {len(ranks)} trainer ranks for a server of "
+                                 f"TP {self.tp(i)} (one per TP rank)")
 
-    def open_sink(self, rank: int) -> TransportSink | None:
+    def open_sink(self, rank: int):
         """This rank's `WeightSink` (None: it only takes part in the gathers): the server wing's control end
-        and the trainer wing's sender, joined here."""
+        and the trainer wing's sender, joined here. Collective for ipc with TP > 1 servers: every rank makes
+        each server's payload group (gloo) in the same order."""
+        groups = {i: ipc_group(ranks) for i, ranks in enumerate(self.ipc_ranks) if len(ranks) > 1}
+        peer_of = [i for i, ranks in enumerate(self.ipc_ranks) if rank in ranks[1:]]
+        if peer_of:
+            return IpcPeer(groups[peer_of[0]], serialize_flattened)
         mine = [i for i in range(len(self.endpoints)) if self._sender_of(i) == rank]
         if not mine:
             return None
         control = ServerControl(self, mine)
         if self.kind == "distributed":
-            return TransportSink(control, broadcast_sender(control, control.join_group(join_weight_group)))
-        return TransportSink(control, ipc_sender(control, self.tp(mine[0]), serialize_flattened))
+            return TransportSink(control, BroadcastSender(control, control.join_group(join_weight_group)))
+        servers = [IpcServer(i, self.tp(i), groups.get(i)) for i in mine]
+        return TransportSink(control, IpcSender(control, servers, serialize_flattened))
 
     def _sender_of(self, server: int) -> int:
-        if self.kind == "ipc" and self.ipc_sources:
-            return self.ipc_sources[server]
+        if self.kind == "ipc" and self.ipc_ranks:
+            return self.ipc_ranks[server][0]
         return self.source_rank
 
     def tp(self, server: int) -> int:
@@ -154,14 +175,8 @@ class TransportWeights:
         return self._spec_of(live, self._group[1])
 
     def _spec_of(self, slots: list[ServerAddress], group: str) -> TransportSpec:
-        # colocated, GPU by GPU: trainer rank r on the layout's GPU r, server i from GPU i * tp (slime's layout:
-        # rollout from offset 0); server i's buckets come from the rank on its first GPU
-        sources = tuple(s.index * self.server_tp if s.index * self.server_tp < self.trainer_ranks else 0
-                        for s in slots)
-        return TransportSpec(self.kind, tuple(s.endpoint for s in slots), tuple(s.curve for s in slots),
-                             (self.server_tp,) * len(slots), group=group, backend=self.backend,
-                             master_addr=self.master_addr, ipc_sources=sources if self.kind == "ipc" else (),
-                             timeout_s=self.timeout_s)
+        return spec_for(self.kind, slots, self.server_tp, self.trainer_ranks, group, backend=self.backend,
+                        master_addr=self.master_addr, timeout_s=self.timeout_s)
 
     def restore(self, server: ServerAddress, version: int) -> dict[str, float]:
         """A restarted server (the engine's `restore_weights`: a server serving the original checkpoint) gets
@@ -183,6 +198,19 @@ class TransportWeights:
             return stats
 
         return self.handoff.push(send)
+
+
+def spec_for(kind: Literal["distributed", "ipc"], slots: list[ServerAddress], server_tp: int, trainer_ranks: int,
+             group: str, *, backend: str | None = None, master_addr: str | None = None,
+             timeout_s: float = 300.0) -> TransportSpec:
+    """The spec of `slots` for a trainer of `trainer_ranks` ranks. Colocated, GPU by GPU: trainer rank r on the
+    layout's GPU r, server i on GPUs i * tp .. (i + 1) * tp - 1 (slime's layout: rollout from offset 0), each of
+    whose trainer ranks builds the payload of its GPU's server TP rank."""
+    ranks = tuple(tuple(range(s.index * server_tp, (s.index + 1) * server_tp)) for s in slots)
+    covered = kind == "ipc" and all(r < trainer_ranks for rs in ranks for r in rs)
+    return TransportSpec(kind, tuple(s.endpoint for s in slots), tuple(s.curve for s in slots),
+                         (server_tp,) * len(slots), group=group, backend=backend, master_addr=master_addr,
+                         ipc_ranks=ranks if covered else (), timeout_s=timeout_s)
 
 
 def _group_name() -> str:
