@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rollverify.buffer import RolloutBuffer
+from rollverify.buffer import RolloutBuffer, TokenCounts
 from rollverify.interfaces import Chunk, RolloutEngine, SamplingParams, Trainer, WeightSync
 from rollverify.losses import grpo_advantages
 from rollverify.sections import ConfigError, bounded
@@ -100,26 +100,40 @@ class RolloutConfig:
 
 @dataclass
 class Ledger:
-    """Token and response accounting across the whole run."""
+    """Token and response accounting across the whole run; the two token sources balance separately."""
 
     launched: int = 0  # responses launched (n per group)
     trained: int = 0  # responses consumed by optimizer steps
-    generated_tokens: int = 0  # tokens ever recorded from the engines
-    trained_tokens: int = 0
-    cut_tokens: int = 0  # tokens removed by verification or filters (they will be regenerated)
+    generated_tokens: int = 0  # policy tokens ever recorded from the engines
+    trained_tokens: int = 0  # policy tokens trained
+    cut_tokens: int = 0  # policy tokens removed by verification or filters (they will be regenerated)
     restarted: int = 0  # responses sent back to their prompt by a filter or a cut to length 0
+    env_tokens: int = 0  # environment tokens ever appended (tool outputs and their template text)
+    trained_env_tokens: int = 0  # environment tokens in trained responses (loss mask 0)
+    cut_env_tokens: int = 0  # environment tokens removed with the policy tokens before them
+
+    def cut(self, counts: TokenCounts) -> None:
+        self.cut_tokens += counts.policy
+        self.cut_env_tokens += counts.env
 
     def check(self, buffer: RolloutBuffer) -> None:
         in_buffer = sum(len(g.responses) for g in buffer.groups.values())
-        buffered_tokens = sum(r.num_tokens for g in buffer.groups.values() for r in g.responses)
+        responses = [r for g in buffer.groups.values() for r in g.responses]
+        buffered_env = sum(r.num_env_tokens for r in responses)
+        buffered_tokens = sum(r.num_tokens for r in responses) - buffered_env
         if self.launched != self.trained + in_buffer:
             raise AssertionError(
                 f"accounting: launched {self.launched} != trained {self.trained} + in buffer {in_buffer}"
             )
         if self.generated_tokens != self.trained_tokens + buffered_tokens + self.cut_tokens:
             raise AssertionError(
-                f"accounting: generated {self.generated_tokens} tokens != trained {self.trained_tokens} + "
+                f"accounting: generated {self.generated_tokens} policy tokens != trained {self.trained_tokens} + "
                 f"buffered {buffered_tokens} + cut {self.cut_tokens}"
+            )
+        if self.env_tokens != self.trained_env_tokens + buffered_env + self.cut_env_tokens:
+            raise AssertionError(
+                f"accounting: appended {self.env_tokens} environment tokens != trained {self.trained_env_tokens} "
+                f"+ buffered {buffered_env} + cut {self.cut_env_tokens}"
             )
 
 
@@ -311,7 +325,8 @@ class Loop:
         if tracked:
             self.engine.drop(tracked)
         self.ledger.trained += len(responses)
-        self.ledger.trained_tokens += sum(r.num_tokens for r in responses)
+        self.ledger.trained_tokens += sum(r.num_policy_tokens for r in responses)
+        self.ledger.trained_env_tokens += sum(r.num_env_tokens for r in responses)
         ops = _trained_ops(responses, metrics)
         return {**{TRAIN_PREFIX + k: float(v) for k, v in metrics.items() if isinstance(v, int | float)}, **ops}
 
@@ -371,17 +386,17 @@ class Loop:
                 stats["logprob_wait_s"] = time.perf_counter() - t0
         return self.strategy.apply(carried, new_lp, self.version), unverified
 
-    def _apply(self, outcome: VerifyOutcome) -> tuple[int, int, set[str]]:
+    def _apply(self, outcome: VerifyOutcome) -> tuple[TokenCounts, TokenCounts, set[str]]:
         """The outcome's cuts in the buffer and the ledger; at a switch to on_policy also the backlog's restart.
         Returns (tokens cut, of them the backlog's, the backlog's response ids)."""
         cut = self.buffer.apply_truncation(outcome.decisions)
         self.ledger.restarted += int(sum(1 for k in outcome.keep_lengths if k == 0))
-        shelved, shelved_cut = set(), 0
+        shelved, shelved_cut = set(), TokenCounts()
         if outcome.switched:  # every group but the B the next step completes restarts and leaves the engines
             shelved, shelved_cut, restarted = shelve_backlog(self.buffer, self.cfg.batch_groups)
             self.ledger.restarted += restarted
         cut += shelved_cut
-        self.ledger.cut_tokens += cut
+        self.ledger.cut(cut)
         return cut, shelved_cut, shelved
 
     def _send(self, outcome: VerifyOutcome, shelved: set[str], unverified: list[str] | None) -> None:
@@ -463,7 +478,7 @@ def new_logprobs(carried: list[Response], engine: RolloutEngine, trainer: Traine
     return out, len(carried) - len(rest)  # type: ignore[return-value]
 
 
-def shelve_backlog(buffer: RolloutBuffer, batch_groups: int) -> tuple[set[str], int, int]:
+def shelve_backlog(buffer: RolloutBuffer, batch_groups: int) -> tuple[set[str], TokenCounts, int]:
     """At the switch to on_policy: every group but the B the next step completes restarts from its prompt and
     waits off the engines until an on_policy phase takes it. Returns (its response ids, tokens cut, responses
     restarted)."""
@@ -474,7 +489,7 @@ def shelve_backlog(buffer: RolloutBuffer, batch_groups: int) -> tuple[set[str], 
     return {r.response_id for r in shelved}, cut, restarted
 
 
-def verify_metrics(outcome: VerifyOutcome, cut: int, backlog_cut: int) -> dict[str, Any]:
+def verify_metrics(outcome: VerifyOutcome, cut: TokenCounts, backlog_cut: TokenCounts) -> dict[str, Any]:
     """A verification's metrics: the strategy's statistics whole under `verify/`, a few under their own names."""
     s = outcome.stats
     return {
@@ -485,8 +500,9 @@ def verify_metrics(outcome: VerifyOutcome, cut: int, backlog_cut: int) -> dict[s
         "staleness_max": s["staleness_max"],
         "verified_tokens": s["verified_tokens"],
         "kept_tokens": s["kept_tokens"],
-        "cut_tokens": float(cut),
-        "backlog_cut_tokens": float(backlog_cut),
+        "cut_tokens": float(cut.policy),
+        "backlog_cut_tokens": float(backlog_cut.policy),
+        **({"cut_env_tokens": float(cut.env)} if cut.env else {}),
         "switched": bool(outcome.switched),
         **({"switch_reason": outcome.switch_reason} if outcome.switched else {}),
     }
