@@ -42,6 +42,7 @@ from rollverify.interfaces import Chunk, RolloutEngine, SamplingParams, Trainer,
 from rollverify.losses import grpo_advantages
 from rollverify.sections import ConfigError, bounded
 from rollverify.strategies import AlgoConfig, Strategy, VerifyOutcome, make_strategy
+from rollverify.tool_turns import ToolTurns
 from rollverify.types import Group, Response
 
 VERIFY_PREFIX = "verify/"  # every statistic of the step's VerifyOutcome is logged under this prefix
@@ -148,7 +149,7 @@ class Loop:
 
     def __init__(self, cfg: RolloutConfig, algo: AlgoConfig, engine: RolloutEngine, trainer: Trainer,
                  make_group: Callable[[int], Group], reward: Callable[[Group, Response], float],
-                 weights: WeightSync | None = None) -> None:
+                 weights: WeightSync | None = None, tools: ToolTurns | None = None) -> None:
         self.cfg, self.algo = cfg, algo
         self.engine, self.trainer = engine, trainer
         self.weights: WeightSync = weights or InMemoryWeights(engine, trainer)
@@ -157,6 +158,9 @@ class Loop:
         self.buffer = RolloutBuffer()
         self.ledger = Ledger()
         self.sampling = SamplingParams(temperature=cfg.temperature)
+        self.tools = tools  # multi-turn: the tool turns between the engine and the tool runner
+        if tools is not None:
+            self.sampling = tools.sampling(self.sampling)
         self.step = 0
         self.version = 0
         self.next_group_id = 0
@@ -187,6 +191,7 @@ class Loop:
             **train_metrics,
             **rollout,
             **verified,
+            **(self.tools.step_stats([r for g in groups for r in g.responses]) if self.tools else {}),
             "step": self.step,
             "mode": mode,
             "policy_version": self.version,
@@ -206,7 +211,7 @@ class Loop:
     def rollout(self) -> dict[str, Any]:
         cfg, buffer = self.cfg, self.buffer
         carries_over = self.strategy.carries_over
-        generated_before = self.ledger.generated_tokens
+        generated_before, env_before = self.ledger.generated_tokens, self.ledger.env_tokens
         self._longest_chunk = 0
         self.engine.resume()
         # on_policy completes exactly B groups, the backlog's first; the carry-over modes keep the engines full
@@ -220,7 +225,7 @@ class Loop:
         last_progress = time.monotonic()
         while True:
             launched_now += self._fill(phase)
-            done = self._record(self.engine.wait_finished(cfg.wait_s))
+            done = self._record(self.engine.wait_finished(cfg.wait_s)) + self._tool_outputs()
             resubmitted += self._resubmit_lost(phase)
             if done:
                 last_progress = time.monotonic()
@@ -238,6 +243,7 @@ class Loop:
         self._record(self.engine.wait_finished(0.0))  # anything that finished while pausing
         return {
             "tokens_generated": self.ledger.generated_tokens - generated_before,
+            "env_tokens_appended": self.ledger.env_tokens - env_before,
             # the phase's sequential decode iterations: every running sequence gains one token per engine
             # iteration, so the most tokens one response received in the phase is their number (exact while one
             # response runs through the whole phase, as the longest on-policy response and a carried long-tail
@@ -283,6 +289,8 @@ class Loop:
         return len(again)
 
     def _submit(self, responses: Sequence[Response]) -> None:
+        if self.tools is not None:  # one waiting on a tool stays off the engine
+            responses = self.tools.submittable(responses)
         if responses:
             self.engine.submit(responses, self.sampling)
 
@@ -293,22 +301,43 @@ class Loop:
             self._record(self.engine.pause())
 
     def _record(self, chunks: Sequence[Chunk]) -> int:
-        """Append engine output to the buffer; score responses that finished. Returns how many finished."""
+        """Append engine output to the buffer; score responses that finished, start the tool call of those that
+        stopped at one. Returns how many finished or called."""
         finished = 0
         for c in chunks:
             if c.finish_reason == "error":
                 raise RuntimeError(f"the engine failed response {c.response_id}: {c.error}")
             response = self.buffer.get(c.response_id)
+            call = self.tools is not None and self.tools.is_call(c, response)
             self.buffer.record(
-                c.response_id, c.token_ids, c.logprobs, c.versions, c.routed_experts, finish_reason=c.finish_reason,
-                offset=c.offset, prompt_routes=c.prompt_routed_experts, prefix_routes=c.prefix_routed_experts,
+                c.response_id, c.token_ids, c.logprobs, c.versions, c.routed_experts,
+                finish_reason=None if call else c.finish_reason, finished=False if call else None, offset=c.offset,
+                prompt_routes=c.prompt_routed_experts, prefix_routes=c.prefix_routed_experts,
             )
             self.ledger.generated_tokens += len(c.token_ids)
             self._longest_chunk = max(self._longest_chunk, len(c.token_ids))
-            if response.finished:
+            if call:
+                self.tools.start(response)
+                finished += 1
+            elif response.finished:
                 response.reward = float(self.reward(self.buffer.groups[response.group_id], response))
                 finished += 1
         return finished
+
+    def _tool_outputs(self, wait_s: float = 0.0) -> int:
+        """The finished tool calls' outputs appended and continued (`ToolTurns.deliver`); returns how many."""
+        if self.tools is None:
+            return 0
+        delivered = self.tools.deliver(self.buffer, self.engine, wait_s)
+        self.ledger.env_tokens += delivered.env_tokens
+        for r in delivered.ended:
+            r.reward = float(self.reward(self.buffer.groups[r.group_id], r))
+        return delivered.continued + len(delivered.ended)
+
+    def settle_tools(self) -> None:
+        """Every tool call in flight finished and its output appended (before a checkpoint is written)."""
+        while self.tools is not None and self.tools.pending:
+            self._tool_outputs(wait_s=1.0)
 
     # --- 2. train -------------------------------------------------------------------------------------------
 
@@ -397,6 +426,8 @@ class Loop:
             self.ledger.restarted += restarted
         cut += shelved_cut
         self.ledger.cut(cut)
+        if self.tools is not None:  # a call cut before its stop token delivers nothing
+            self.tools.forget_cut(self.buffer)
         return cut, shelved_cut, shelved
 
     def _send(self, outcome: VerifyOutcome, shelved: set[str], unverified: list[str] | None) -> None:
@@ -426,7 +457,9 @@ class Loop:
         verification cuts becomes live again: until the next finish the engines may then hold up to that many
         more than `max_live` (SGLang queues what its `max_running_requests` does not take)."""
         tracked = self.engine.response_ids()
-        unverified = [r.response_id for r in carried if r.response_id in tracked and not r.finished]
+        waiting = self.tools.waiting if self.tools is not None else (lambda _: False)
+        unverified = [r.response_id for r in carried if r.response_id in tracked and not r.finished
+                      and not waiting(r.response_id)]
         self.engine.resume(hold=unverified)
         return unverified, self._fill(None)
 
