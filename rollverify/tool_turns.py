@@ -22,7 +22,7 @@ ends in a call without its output has the call run again (`submittable`), as aft
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -242,6 +242,35 @@ class ToolTurns:
             "env_token_share": env / total if total else float("nan"),
         }
         return {f"{TOOLS_PREFIX}{k}": float(v) for k, v in stats.items()}
+
+    def generate(self, generate: Callable[..., list[np.ndarray]], prompts: Sequence[np.ndarray],
+                 max_new_tokens: int, sampling: SamplingParams, tag: str) -> list[np.ndarray]:
+        """Multi-turn completions of fresh prompts outside the training buffer (evaluation), each turn one batch of
+        `generate(prompts, max_new_tokens, sampling, tag)` (the engine's `generate`) over prompt + what the
+        response holds so far; the calls of a turn run at once. Returns each response's tokens, both sources."""
+        stop = replace(sampling, stop_token_ids=tuple(dict.fromkeys((*sampling.stop_token_ids, self.stop_id))))
+        outs = [np.zeros(0, np.int32) for _ in prompts]
+        active = list(range(len(prompts)))
+        for turn in range(self.cfg.max_turns + 1):
+            if not active:
+                break
+            room = max(max_new_tokens - len(outs[i]) for i in active)
+            got = generate([np.concatenate([prompts[i], outs[i]]) for i in active], room, stop, f"{tag}-t{turn}")
+            calls: dict[int, Future[TurnResult]] = {}
+            for i, ids in zip(active, got, strict=True):
+                start = len(outs[i])
+                outs[i] = np.concatenate([outs[i], np.asarray(ids, np.int32)[: max_new_tokens - start]])
+                if len(outs[i]) < max_new_tokens and len(ids) and int(ids[-1]) == self.stop_id \
+                        and turn < self.cfg.max_turns:
+                    text = self.codec.decode(outs[i][start:].tolist())
+                    calls[i] = self.runner.submit_turn(text, turn_closed=False, thinking=self.cfg.thinking)
+            active = []
+            for i, future in calls.items():
+                env = np.asarray(self.codec.encode(future.result().text), np.int32)
+                if len(env) and len(outs[i]) + len(env) < max_new_tokens:
+                    outs[i] = np.concatenate([outs[i], env])
+                    active.append(i)
+        return outs
 
     def close(self) -> None:
         self.runner.close(wait=False)

@@ -17,6 +17,7 @@ from rollverify.tasks.base import SPLITS, Example, Task, TaskBase, hash_fraction
 from rollverify.tasks.count import CountdownTask
 from rollverify.tasks.data import FileTask, load_prompt_file
 from rollverify.tasks.math import extract_answer, math_equal, math_reward, normalize_answer
+from rollverify.tasks.toolchain import ToolChainTask
 
 _REGISTRY: dict[str, Callable[..., Task]] = {}
 _SYNTHETIC: set[str] = set()
@@ -74,6 +75,8 @@ register_task("countdown", CountdownTask, synthetic=True)
 # Same task with at most 16 terms (responses <= 70 tokens): for engine and loop tests that must be quick.
 register_task("countdown_short", functools.partial(CountdownTask, name="countdown_short", k_max=16), synthetic=True)
 register_task("math", FileTask)
+# The multi-turn tool task: walk a hidden chain with the `next` tool, one call per turn (long-tailed turns).
+register_task("toolchain", ToolChainTask, synthetic=True)
 
 __all__ = [
     "SPLITS",
@@ -82,6 +85,7 @@ __all__ = [
     "FileTask",
     "Task",
     "TaskBase",
+    "ToolChainTask",
     "extract_answer",
     "get_task",
     "hash_fraction",
