@@ -31,7 +31,7 @@ def task() -> CountdownTask:
 
 def test_registry(task):
     assert {"countdown", "countdown_short", "math"} <= set(task_names())
-    assert set(synthetic_task_names()) == {"countdown", "countdown_short"}
+    assert set(synthetic_task_names()) == {"countdown", "countdown_short", "toolchain"}
     assert isinstance(task, Task)
     assert get_task("countdown_short").k_max == 16
     with pytest.raises(ValueError, match="unknown task 'nope'.*countdown"):
@@ -292,3 +292,38 @@ def test_file_task(tmp_path):
     ev_path = _write_jsonl(tmp_path / "ev.jsonl", [{"prompt": "1+1?", "label": "2"}])
     t2 = FileTask(path, ev_path)
     assert len(t2) == 200 and [e.label for e in t2.examples("eval")] == ["2"]
+
+
+def test_toolchain_pays_for_the_tool_and_has_long_tailed_turns():
+    from rollverify.app.tiny_model import build_tokenizer
+    from rollverify.app.warm_start import demonstration_batch
+    from rollverify.environment.tool_calls import parse_tool_calls
+
+    t = get_task("toolchain")
+    exs = t.examples("train", 3000)
+    ks = np.array([e.meta["k"] for e in exs])
+    assert ks.min() == 1 and ks.max() == 8 and np.mean(ks) < 3.5 and np.percentile(ks, 99) == 8  # long tail
+    assert not {e.prompt for e in exs} & {e.prompt for e in t.examples("eval", 500)}
+    ex = next(e for e in exs if e.meta["k"] == 3)
+    parts = t.demonstration_segments(ex)
+    policy = [text for text, mine in parts if mine]
+    assert len(policy) == 4 and len(parts) == 7  # 3 calls, 3 outputs, the answer line
+    calls = [parse_tool_calls(text)[0] for text in policy[:3]]
+    x = f"{ex.meta['head']:03d}"
+    for call in calls:  # each call names the node the previous output gave
+        assert call.name == "next" and call.arguments == {"x": x}
+        x = t.lookup(x)
+    assert x == "=" + ex.label and policy[3] == x
+    assert t.reward(ex.prompt, t.demonstration(ex) + "<|endoftext|>", ex.label) == 1.0
+    assert t.reward(ex.prompt, f"={ex.label}", ex.label) == 1.0  # only the answer counts; guessing it is 1/1000
+    assert t.reward(ex.prompt, t.demonstration(ex)[:-1], ex.label) == 0.0
+    assert t.lookup("1000") == "error: no node 1000" and t.lookup(True).startswith("error")
+    tool = t.tool_registry().get("next")
+    assert tool.run({"y": 1}, 1.0).error == "bad_arguments"
+    # the warm start learns the policy's parts only
+    tok = build_tokenizer(128)
+    ids, labels = demonstration_batch(tok, t, [ex])
+    env_ids = tok(parts[1][0], add_special_tokens=False)["input_ids"]
+    n_policy = sum(len(tok(text, add_special_tokens=False)["input_ids"]) for text in policy) + 1  # + EOS
+    assert int((labels != -100).sum()) == n_policy
+    assert len(env_ids) > 10 and tok.convert_tokens_to_ids("</tool_call>") == 101
