@@ -149,6 +149,10 @@ class ToolTurns:
         self.pending[rid] = _Call(future, response.num_tokens, time.monotonic())
         self.stats.calls += 1
 
+    def schemas(self) -> list[dict[str, Any]]:
+        """The tools' function descriptions, for the chat template's tool list."""
+        return self.runner.registry.schemas()
+
     def waiting(self, response_id: str) -> bool:
         return response_id in self.pending
 

@@ -327,3 +327,33 @@ def test_toolchain_pays_for_the_tool_and_has_long_tailed_turns():
     n_policy = sum(len(tok(text, add_special_tokens=False)["input_ids"]) for text in policy) + 1  # + EOS
     assert int((labels != -100).sum()) == n_policy
     assert len(env_ids) > 10 and tok.convert_tokens_to_ids("</tool_call>") == 101
+
+
+def test_retool_reads_dapo_rows_lists_the_python_tool_and_scores_the_final_turn(tmp_path):
+    from rollverify.app.tiny_model import build_tokenizer
+    from rollverify.tasks.chat import PromptRenderer
+
+    rows = [{"prompt": [{"role": "user", "content": f"What is {i} * 7?"}], "reward_model": {"ground_truth": str(7 * i)},
+             "data_source": "dapo"} for i in range(40)]
+    path = tmp_path / "dapo.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    t = get_task("retool", train_path=str(path), memory_mib=256)
+    ex = t.examples("train", 1)[0]
+    assert ex.messages[0]["role"] == "system" and "python tool" in ex.messages[0]["content"]
+    reg = t.tool_registry()
+    assert reg.get("python") is not None and reg.get("code_interpreter") is reg.get("python")
+    assert reg.get("python").sandbox.limits.memory_bytes == 256 << 20
+    # a template that lists the tools, as Qwen3's does: the prompt carries the python tool's schema
+    tok = build_tokenizer(128)
+    tok.chat_template = ("{% if tools %}# Tools{% for t in tools %} {{ t.function.name }}{% endfor %}\n{% endif %}"
+                         "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                         "<|im_start|>assistant\n")
+    text = PromptRenderer(tok, True, tools=reg.schemas()).text(ex)
+    assert text.startswith("# Tools python") and "<|im_start|>system\nSolve the problem" in text
+    # the reward reads the policy's last turn: a tool's output cannot answer for it
+    call = '<tool_call>\n{"name": "python", "arguments": {"code": "print(6*7)"}}\n</tool_call>'
+    boxed = "\\boxed{" + ex.label + "}"
+    env = f"<|im_end|>\n<|im_start|>user\n<tool_response>\n{boxed}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert t.reward(ex.prompt, call + env + "so " + boxed, ex.label) == 1.0
+    assert t.reward(ex.prompt, call + env + "I do not know", ex.label) == 0.0
+    assert t.reward(ex.prompt, boxed, ex.label) == 1.0  # single turn

@@ -136,7 +136,8 @@ def build_evaluator(cfg: Any, task: Any, tokenizer: Any, score: Callable[[str, s
     sets = load_eval_sets(parse_eval_sets(e.sets))
     if not sets:
         sets = [EvalSet(HELDOUT, task.examples("eval", e.n_prompts, seed=cfg.seed))]
-    renderer = PromptRenderer(tokenizer, getattr(task, "chat_template", "auto"))
+    renderer = PromptRenderer(tokenizer, getattr(task, "chat_template", "auto"),
+                              tools=tools.schemas() if tools is not None else None)
     return Evaluator(
         sets,
         render=renderer.ids,

@@ -46,9 +46,10 @@ class Run:
         self.model_path = resolve_model(cfg)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.task = get_task(cfg.task.name, **cfg.task.options)
-        self.render = PromptRenderer(self.tokenizer, getattr(self.task, "chat_template", "auto"), source=self.model_path)
         self.score = task_reward(self.task, cfg.task.reward)
         self.tools = build_tool_turns(cfg, self.task, self.tokenizer)  # None: a single-turn task
+        self.render = PromptRenderer(self.tokenizer, getattr(self.task, "chat_template", "auto"), source=self.model_path,
+                                     tools=self.tools.schemas() if self.tools else None)
         self.evaluator = build_evaluator(cfg, self.task, self.tokenizer, self.score, self.tools) \
             if cfg.eval.every else None
         self.cluster = None  # rollverify.app.cluster.RayCluster with cluster.launcher: ray

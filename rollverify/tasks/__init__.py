@@ -17,6 +17,7 @@ from rollverify.tasks.base import SPLITS, Example, Task, TaskBase, hash_fraction
 from rollverify.tasks.count import CountdownTask
 from rollverify.tasks.data import FileTask, load_prompt_file
 from rollverify.tasks.math import extract_answer, math_equal, math_reward, normalize_answer
+from rollverify.tasks.retool import RetoolTask
 from rollverify.tasks.toolchain import ToolChainTask
 
 _REGISTRY: dict[str, Callable[..., Task]] = {}
@@ -77,6 +78,8 @@ register_task("countdown_short", functools.partial(CountdownTask, name="countdow
 register_task("math", FileTask)
 # The multi-turn tool task: walk a hidden chain with the `next` tool, one call per turn (long-tailed turns).
 register_task("toolchain", ToolChainTask, synthetic=True)
+# ReTool-style math: prompt files with the sandboxed Python tool (code interpreter) and the math reward.
+register_task("retool", RetoolTask)
 
 __all__ = [
     "SPLITS",
@@ -84,6 +87,7 @@ __all__ = [
     "Example",
     "FileTask",
     "Task",
+    "RetoolTask",
     "TaskBase",
     "ToolChainTask",
     "extract_answer",
