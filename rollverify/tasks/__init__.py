@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rollverify.tasks.base import SPLITS, Example, Task, TaskBase, hash_fraction, stable_uid
+from rollverify.tasks.code import CodeTask
 from rollverify.tasks.count import CountdownTask
 from rollverify.tasks.data import FileTask, load_prompt_file
 from rollverify.tasks.math import extract_answer, math_equal, math_reward, normalize_answer
@@ -80,9 +81,12 @@ register_task("math", FileTask)
 register_task("toolchain", ToolChainTask, synthetic=True)
 # ReTool-style math: prompt files with the sandboxed Python tool (code interpreter) and the math reward.
 register_task("retool", RetoolTask)
+# Code generation: HumanEval / MBPP / LiveCodeBench files (tools/prepare_data.py), rewarded by their tests.
+register_task("code", CodeTask)
 
 __all__ = [
     "SPLITS",
+    "CodeTask",
     "CountdownTask",
     "Example",
     "FileTask",
