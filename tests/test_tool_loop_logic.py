@@ -247,3 +247,55 @@ def test_max_turns_ends_a_trajectory_at_its_call():
                     assert r.finish_reason == "stop" and r.sources[-1] == POLICY
     assert ended > 0
     assert all(r.num_env_runs <= 1 for g in loop.buffer.groups.values() for r in g.responses)
+
+
+HOSTILE = [
+    "while True:\n    pass",  # a runaway: the CPU limit
+    "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)",  # kill its parent
+    "print('x' * (100 << 20))",  # a 100 MiB print
+    "b = []\nwhile True:\n    b.append(bytearray(8 << 20))",  # a memory bomb
+]
+
+
+class HostileCodec(WordCodec):
+    """Every call the policy makes runs one of the hostile programs in the real sandboxed Python tool."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def decode(self, ids) -> str:
+        out = []
+        for i in ids:
+            if i == STOP:
+                out.append(format_tool_call("python", {"code": HOSTILE[self.n % len(HOSTILE)]}))
+                self.n += 1
+        return "".join(out)
+
+
+def test_hostile_tool_calls_in_a_run_are_error_text_and_the_run_goes_on():
+    from rollverify.environment.limits import SandboxLimits
+    from rollverify.environment.tools import default_registry
+
+    engine, trainer = ToolEngine(), ScriptedTrainer(0.0)
+    engine.appended = []
+    cfg = RolloutConfig(batch_groups=2, n=2, max_new_tokens=400, max_live=8, wait_s=0.0, phase_timeout_s=120)
+    limits = SandboxLimits(cpu_seconds=1, wall_seconds=4, memory_bytes=128 << 20, stdout_bytes=256)
+    tools = ToolTurns(ToolsConfig(max_turns=2, time_limit_s=4.0, max_env_tokens=64, max_concurrent=4),
+                      default_registry(limits), HostileCodec())
+    loop = Loop(cfg, AlgoConfig(mode="partial"), engine, trainer,
+                make_group=lambda gid: Group.new(gid, [3, 4, 5], cfg.n, cfg.max_new_tokens),
+                reward=lambda group, response: 0.0, tools=tools)
+    errors = outputs = 0
+    for _ in range(2):
+        m = loop.run_step().metrics  # the ledger of both kinds holds after each
+        errors += int(m["tools/errors"])
+        outputs += int(m["tools/outputs"])
+    loop.settle_tools()
+    errors += loop.tools.stats.errors
+    outputs += loop.tools.stats.outputs
+    assert outputs > 0 and errors == outputs  # every hostile call: an error result, inside its limits
+    assert all(s <= 4.0 + 2.0 for s in loop.tools.stats.tool_seconds)
+    words = set(loop.tools.codec.words)
+    assert any("killed" in w or "SIGXCPU" in w or "MemoryError" in w or "exit" in w for w in words), sorted(words)[:40]
+    tools.close()
