@@ -164,7 +164,9 @@ class Loop:
         self.step = 0
         self.version = 0
         self.next_group_id = 0
-        self._longest_chunk = 0  # most tokens one engine output of this rollout phase carried (decode_iters)
+        # policy tokens each response received in this rollout phase (decode_iters: the most; a multi-turn
+        # response receives them in several outputs, one a turn)
+        self._phase_tokens: dict[str, int] = {}
 
     # --- the loop -------------------------------------------------------------------------------------------
 
@@ -212,7 +214,7 @@ class Loop:
         cfg, buffer = self.cfg, self.buffer
         carries_over = self.strategy.carries_over
         generated_before, env_before = self.ledger.generated_tokens, self.ledger.env_tokens
-        self._longest_chunk = 0
+        self._phase_tokens = {}
         self.engine.resume()
         # on_policy completes exactly B groups, the backlog's first; the carry-over modes keep the engines full
         phase = None if carries_over else on_policy_groups(buffer, cfg.batch_groups)
@@ -249,7 +251,7 @@ class Loop:
             # response runs through the whole phase, as the longest on-policy response and a carried long-tail
             # one do; capacity max_live <= the engine's max_running_requests). Hardware-neutral: on a GPU a
             # decode iteration costs about the same at batch 4 as at 64, on a CPU in proportion to the batch.
-            "decode_iters": self._longest_chunk,
+            "decode_iters": max(self._phase_tokens.values(), default=0),
             "n_launched_groups": launched_now,
             "n_paused": len(paused),
             "n_resubmitted": resubmitted,
@@ -315,7 +317,7 @@ class Loop:
                 prompt_routes=c.prompt_routed_experts, prefix_routes=c.prefix_routed_experts,
             )
             self.ledger.generated_tokens += len(c.token_ids)
-            self._longest_chunk = max(self._longest_chunk, len(c.token_ids))
+            self._phase_tokens[c.response_id] = self._phase_tokens.get(c.response_id, 0) + len(c.token_ids)
             if call:
                 self.tools.start(response)
                 finished += 1

@@ -295,7 +295,6 @@ def test_hostile_tool_calls_in_a_run_are_error_text_and_the_run_goes_on():
     errors += loop.tools.stats.errors
     outputs += loop.tools.stats.outputs
     assert outputs > 0 and errors == outputs  # every hostile call: an error result, inside its limits
-    assert all(s <= 4.0 + 2.0 for s in loop.tools.stats.tool_seconds)
     words = set(loop.tools.codec.words)
     assert any("killed" in w or "SIGXCPU" in w or "MemoryError" in w or "exit" in w for w in words), sorted(words)[:40]
     tools.close()
