@@ -240,6 +240,8 @@ class ToolTurns:
             "ended_by_budget": s.ended_by_budget, "env_tokens": s.env_tokens, "waiting": len(self.pending),
             "tool_s_sum": float(secs.sum()), "tool_s_max": float(secs.max()) if secs.size else 0.0,
             "tool_s_mean": float(secs.mean()) if secs.size else float("nan"),
+            "tool_s_p50": float(np.median(secs)) if secs.size else float("nan"),
+            "tool_s_p99": float(np.percentile(secs, 99)) if secs.size else float("nan"),
             "turns_mean": float(turns.mean()) if turns.size else float("nan"),
             "turns_p99": float(np.percentile(turns, 99)) if turns.size else float("nan"),
             "turns_max": float(turns.max()) if turns.size else float("nan"),

@@ -231,3 +231,28 @@ def test_a_cut_before_a_call_cancels_it_and_a_pause_lets_it_run_on():
     assert engine.tracked[waiting].wake is None
     engine.resume()
     assert engine.tracked[waiting].slot >= 0 and wake > clock.now
+
+
+def test_the_tool_model_is_learnt_from_a_runs_metrics(tmp_path):
+    from rollverify.sim.engine import ToolModel
+
+    truth = ToolModel(max_calls=7, alpha=1.2, latency_median_s=0.05, latency_sigma=0.8)
+    rng = np.random.default_rng(0)
+    c = np.arange(8)
+    w = (c + 1.0) ** -1.2
+    rows = []
+    for step in range(20):  # what a run's tool turns log per step (rollverify/tool_turns.py step_stats)
+        secs = 0.05 * np.exp(0.8 * rng.standard_normal(400))
+        turns = rng.choice(c, size=64, p=w / w.sum())
+        rows.append({"step": step + 1, "tools/tool_s_p50": float(np.median(secs)),
+                     "tools/tool_s_p99": float(np.percentile(secs, 99)), "tools/turns_mean": float(turns.mean()),
+                     "tools/turns_max": float(turns.max())})
+    got = ToolModel.fit(rows)
+    assert got.max_calls == 7
+    assert got.latency_median_s == pytest.approx(truth.latency_median_s, rel=0.1)
+    assert got.latency_sigma == pytest.approx(truth.latency_sigma, rel=0.15)
+    assert got.alpha == pytest.approx(truth.alpha, abs=0.25)
+    with pytest.raises(ValueError, match="no tool metrics"):
+        ToolModel.fit([{"step": 1, "reward_mean": 0.5}])
+    (tmp_path / "run").mkdir()
+    assert cli(["simulate", "--out", str(tmp_path / "o"), "--tools-from", str(tmp_path / "run")]) == 2

@@ -119,6 +119,36 @@ class ToolModel:
         n = int(np.random.default_rng([seed, group_id, index, 5]).choice(c, p=p / p.sum()))
         return tuple(sorted({min(target - 1, max(1, round(target * (i + 1) / (n + 1)))) for i in range(n)}))
 
+    @classmethod
+    def fit(cls, rows: list[dict]) -> ToolModel:
+        """A tool model learnt from a real run's metrics (metrics.jsonl rows with `tools/*`): the latency's median
+        and log-std from the per-step median and p99 of the calls' seconds, the calls per trajectory's power law
+        from the trained trajectories' mean and largest turn counts (an on-policy run's: a carry-over run trains
+        the short ones first)."""
+        def vals(key: str) -> list[float]:
+            return [float(r[key]) for r in rows if isinstance(r.get(key), int | float) and math.isfinite(r[key])
+                    and r[key] > 0]
+
+        p50, p99, turns, top = vals("tools/tool_s_p50"), vals("tools/tool_s_p99"), vals("tools/turns_mean"), \
+            vals("tools/turns_max")
+        if not (p50 and p99 and turns and top):
+            raise ValueError("no tool metrics to learn from (tools/tool_s_p50, tool_s_p99, turns_mean, turns_max): "
+                             "give the run folder of a multi-turn run")
+        median = float(np.median(p50))
+        sigma = max(0.0, math.log(float(np.median(p99)) / median) / 2.326)  # p99 = median * exp(2.326 sigma)
+        max_calls, mean = int(max(top)), float(np.mean(turns))
+
+        def mean_calls(alpha: float) -> float:
+            c = np.arange(max_calls + 1)
+            w = (c + 1.0) ** -alpha
+            return float((c * w).sum() / w.sum())
+
+        lo, hi = -5.0, 10.0  # the mean falls as alpha grows: bisect for the run's mean
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if mean_calls(mid) > mean else (lo, mid)
+        return cls(max_calls=max_calls, alpha=round((lo + hi) / 2, 4), latency_median_s=median, latency_sigma=sigma)
+
     def latency(self, seed: int, group_id: int, index: int, call: int) -> float:
         z = np.random.default_rng([seed, group_id, index, call, 6]).standard_normal()
         return self.latency_median_s * math.exp(self.latency_sigma * float(z))

@@ -254,6 +254,9 @@ def cli_main(argv: list[str] | None = None) -> int:
                    help="median seconds of one call (log-normal; default 5)")
     p.add_argument("--tool-sigma", type=float, default=ToolModel.latency_sigma,
                    help="log-std of a call's latency (default 1: p99 ~10x the median)")
+    p.add_argument("--tools-from", default=None, metavar="RUN",
+                   help="learn the tool model from a multi-turn run's folder (its metrics.jsonl: the calls' median "
+                   "and p99 seconds, turns per trajectory) instead of the --tool-* values")
     p.add_argument("--force", action="store_true", help="replace an earlier simulate.json / simulate.png in --out")
     a = p.parse_args(argv)
     out = Path(a.out)
@@ -267,6 +270,14 @@ def cli_main(argv: list[str] | None = None) -> int:
             Workload(context=c)
         tools = ToolModel(max_calls=a.tool_calls, alpha=a.tool_alpha, latency_median_s=a.tool_latency,
                           latency_sigma=a.tool_sigma)
+        if a.tools_from is not None:
+            from rollverify.metrics import load_metrics
+
+            if not (Path(a.tools_from) / "metrics.jsonl").is_file():
+                raise ValueError(f"--tools-from {a.tools_from}: no metrics.jsonl there (a run folder?)")
+            tools = ToolModel.fit(load_metrics(a.tools_from))
+            a.tool_calls, a.tool_alpha = tools.max_calls, tools.alpha
+            a.tool_latency, a.tool_sigma = tools.latency_median_s, tools.latency_sigma
         cfg = SimConfig(cluster=ClusterSpec(gpu=a.gpu, gpus=a.gpus, tp=a.tp), steps=a.steps, seed=a.seed,
                         algo=AlgoConfig(verify_on=a.verify_on), tools=tools)
     except ValueError as e:
@@ -276,7 +287,7 @@ def cli_main(argv: list[str] | None = None) -> int:
     print(f"simulating {a.steps} steps per run: {len(a.contexts)} context limits x {len(a.modes)} modes; "
           + VERIFY_WHERE[a.verify_on])
     if a.tool_calls:
-        print(f"tool use: up to {a.tool_calls} calls per trajectory (P(c) ~ (c+1)^-{a.tool_alpha}), each "
+        print(("learnt from " + a.tools_from + ": " if a.tools_from else "") + f"tool use: up to {a.tool_calls} calls per trajectory (P(c) ~ (c+1)^-{a.tool_alpha}), each "
               f"{a.tool_latency:g} s median (log-normal, sigma {a.tool_sigma:g})")
     report = run_all(cfg, a.contexts, a.modes)
     report["results"] = {str(c): {m: r.row() for m, r in by.items()} for c, by in report["results"].items()}
