@@ -19,14 +19,17 @@ from rollverify.types import Response
 
 
 def train_sequence(response: Response, advantage: float | None = None) -> TrainSequence:
-    """The trainer's view of `response`: its prompt and generated tokens, the engine's log-probs, and the
-    routes of the [P + G - 1] model inputs (its prompt routes [P - 1] followed by the per-token ones [G])."""
+    """The trainer's view of `response`: its prompt and tokens of both sources, the engine's log-probs, the
+    routes of the [P + G - 1] model inputs (its prompt routes [P - 1] followed by the per-token ones [G],
+    environment tokens' included) and, when it holds environment tokens, the loss mask of its policy tokens
+    (the trainer recomputes log-probs over the whole sequence and trains the policy tokens only)."""
     routes = response.routed_experts
     if routes is not None and response.prompt_routed_experts is not None:
         routes = np.concatenate([response.prompt_routed_experts, routes])
+    mask = response.policy_mask if response.num_env_tokens else None
     return TrainSequence(prompt_ids=response.prompt_ids, gen_ids=response.token_ids, routed_experts=routes,
                          rollout_logprobs=response.logprobs, rollout_versions=response.versions,
-                         advantage=advantage)
+                         advantage=advantage, loss_mask=mask)
 
 
 class LoopTrainer:

@@ -131,19 +131,21 @@ def mismatch(seqs: list[TrainSequence | None], old: list[np.ndarray], policy_ver
     sampled by the weights the trainer holds (`policy_version`), where the two should agree to the kernels'
     floor; `drift_*`: tokens of older versions (carried over), where the difference is the policy's drift
     since they were sampled (their OPS under this step's policy). Without `policy_version` or a sequence's
-    `rollout_versions`, its tokens count as the trainer's own. Sequences this rank lacks are None; `gather`
-    (each data-parallel rank's list, on every rank) then joins the ranks' differences."""
+    `rollout_versions`, its tokens count as the trainer's own. Tokens outside the loss mask (environment tokens:
+    no engine log-prob) count in neither. Sequences this rank lacks are None; `gather` (each data-parallel rank's
+    list, on every rank) then joins the ranks' differences."""
     same, older = [], []
     for i, s in enumerate(seqs):
         if s is None or s.rollout_logprobs is None:
             continue
         d = (old[i] - np.asarray(s.rollout_logprobs, np.float32)).astype(np.float64)
+        sampled = np.ones(d.shape, bool) if s.loss_mask is None else np.asarray(s.loss_mask).astype(bool)
         if policy_version is None or s.rollout_versions is None:
-            same.append(d)
+            same.append(d[sampled])
             continue
         own = np.asarray(s.rollout_versions) == policy_version
-        same.append(d[own])
-        older.append(d[~own])
+        same.append(d[own & sampled])
+        older.append(d[~own & sampled])
     if gather is not None:
         parts = gather([(same, older)])
         same, older = [d for s, _ in parts for d in s], [d for _, o in parts for d in o]

@@ -15,12 +15,33 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from rollverify.types import Group, Response
+
+# what a checkpoint holds of each response as arrays (one written without `sources` loads as all policy tokens)
+PER_RESPONSE_ARRAYS = ("token_ids", "logprobs", "versions", "sources", "routed_experts", "prompt_routed_experts")
+
+
+@dataclass
+class TokenCounts:
+    """Tokens of the two sources (a cut's, a step's)."""
+
+    policy: int = 0
+    env: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.policy + self.env
+
+    def __iadd__(self, other: TokenCounts) -> TokenCounts:
+        self.policy += other.policy
+        self.env += other.env
+        return self
 
 
 class RolloutBuffer:
@@ -88,11 +109,14 @@ class RolloutBuffer:
         """Every response with tokens still in the buffer: all of them went stale at the last update."""
         return [r for g in self.groups.values() for r in g.responses if r.num_tokens]
 
-    def apply_truncation(self, decisions: dict[str, int]) -> int:
-        """Cut responses to their keep lengths (response_id -> keep); return the tokens cut."""
-        cut = 0
+    def apply_truncation(self, decisions: dict[str, int]) -> TokenCounts:
+        """Cut responses to their keep lengths (response_id -> keep); return the tokens cut of each source."""
+        cut = TokenCounts()
         for response_id, keep in decisions.items():
-            cut += self.get(response_id).truncate(keep)
+            r = self.get(response_id)
+            env = r.num_env_tokens
+            n = r.truncate(keep)
+            cut += TokenCounts(n - (env - r.num_env_tokens), env - r.num_env_tokens)
         self.completed = [g for g in self.completed if self.groups[g].finished]
         return cut
 
@@ -122,7 +146,7 @@ class RolloutBuffer:
             arrays[f"{g.group_id}/prompt_ids"] = g.prompt_ids
             responses = []
             for r in g.responses:
-                for name in ("token_ids", "logprobs", "versions", "routed_experts", "prompt_routed_experts"):
+                for name in PER_RESPONSE_ARRAYS:
                     if getattr(r, name) is not None:
                         arrays[f"{r.response_id}/{name}"] = getattr(r, name)
                 responses.append(
@@ -146,7 +170,7 @@ class RolloutBuffer:
             for i, rm in enumerate(gm["responses"]):
                 per_token = {
                     name: np.asarray(arrays[key])
-                    for name in ("token_ids", "logprobs", "versions", "routed_experts", "prompt_routed_experts")
+                    for name in PER_RESPONSE_ARRAYS
                     if (key := f"{gid}-{i}/{name}") in arrays
                 }
                 responses.append(Response(gid, i, prompt, **rm, **per_token))

@@ -64,6 +64,11 @@ class RolloutEngine(Protocol):
         """Cut the engine's copy of each tracked response to `keep` generated tokens; `resume` relaunches
         the cut ones, finished ones included."""
 
+    def append(self, tokens: dict[str, np.ndarray]) -> None:
+        """Append environment tokens (response id -> ids: a tool's output) to tracked responses that are not
+        generating (stopped at a tool call, or paused) and continue them from there: at once while the engine
+        generates, at `resume` when paused. Their log-probs are none, their routes the engine's prefill of them."""
+
     def drop(self, response_ids: Iterable[str]) -> None:
         """Forget these responses entirely."""
 
@@ -78,7 +83,8 @@ class RolloutEngine(Protocol):
         """Load the new policy's HF-named tensors, bucket by bucket; later tokens record `version`."""
 
     def compute_logprobs(self, responses: Sequence[Response]) -> list[np.ndarray | None]:
-        """Log-probs (float32) of each tracked response's generated tokens under the current weights, in the
+        """Log-probs (float32) of each tracked response's tokens (environment ones included) under the current
+        weights, in the
         semantics of those it sampled them with (`algo.verify_on: engine`); None for one whose server was lost
         meanwhile. The responses must not be generating (paused or held); the others may."""
 
@@ -99,13 +105,14 @@ class Trainer(Protocol):
     """The policy being trained."""
 
     def compute_logprobs(self, responses: Sequence[Response], temperature: float) -> list[np.ndarray]:
-        """Log-probs of each response's generated tokens under the current policy (float32)."""
+        """Log-probs of each response's tokens (environment ones included) under the current policy (float32)."""
 
     def train_step(
         self, responses: Sequence[Response], advantages: np.ndarray, temperature: float, policy_version: int
     ) -> dict:
         """One optimizer step on these responses (one advantage each) from the policy of `policy_version` (tokens
-        of that version were sampled by the weights the trainer holds); returns metrics."""
+        of that version were sampled by the weights the trainer holds): log-probs over the whole sequence, the
+        loss, TIS and its token-mean denominator over policy tokens only; returns metrics."""
 
     def export_weights(self) -> Iterator[list[tuple[str, object]]]:
         """The current policy in HF naming, in buckets, for the engines."""

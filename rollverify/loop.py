@@ -37,11 +37,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from rollverify.buffer import RolloutBuffer
+from rollverify.buffer import RolloutBuffer, TokenCounts
 from rollverify.interfaces import Chunk, RolloutEngine, SamplingParams, Trainer, WeightSync
 from rollverify.losses import grpo_advantages
 from rollverify.sections import ConfigError, bounded
 from rollverify.strategies import AlgoConfig, Strategy, VerifyOutcome, make_strategy
+from rollverify.tool_turns import ToolTurns
 from rollverify.types import Group, Response
 
 VERIFY_PREFIX = "verify/"  # every statistic of the step's VerifyOutcome is logged under this prefix
@@ -100,26 +101,40 @@ class RolloutConfig:
 
 @dataclass
 class Ledger:
-    """Token and response accounting across the whole run."""
+    """Token and response accounting across the whole run; the two token sources balance separately."""
 
     launched: int = 0  # responses launched (n per group)
     trained: int = 0  # responses consumed by optimizer steps
-    generated_tokens: int = 0  # tokens ever recorded from the engines
-    trained_tokens: int = 0
-    cut_tokens: int = 0  # tokens removed by verification or filters (they will be regenerated)
+    generated_tokens: int = 0  # policy tokens ever recorded from the engines
+    trained_tokens: int = 0  # policy tokens trained
+    cut_tokens: int = 0  # policy tokens removed by verification or filters (they will be regenerated)
     restarted: int = 0  # responses sent back to their prompt by a filter or a cut to length 0
+    env_tokens: int = 0  # environment tokens ever appended (tool outputs and their template text)
+    trained_env_tokens: int = 0  # environment tokens in trained responses (loss mask 0)
+    cut_env_tokens: int = 0  # environment tokens removed with the policy tokens before them
+
+    def cut(self, counts: TokenCounts) -> None:
+        self.cut_tokens += counts.policy
+        self.cut_env_tokens += counts.env
 
     def check(self, buffer: RolloutBuffer) -> None:
         in_buffer = sum(len(g.responses) for g in buffer.groups.values())
-        buffered_tokens = sum(r.num_tokens for g in buffer.groups.values() for r in g.responses)
+        responses = [r for g in buffer.groups.values() for r in g.responses]
+        buffered_env = sum(r.num_env_tokens for r in responses)
+        buffered_tokens = sum(r.num_tokens for r in responses) - buffered_env
         if self.launched != self.trained + in_buffer:
             raise AssertionError(
                 f"accounting: launched {self.launched} != trained {self.trained} + in buffer {in_buffer}"
             )
         if self.generated_tokens != self.trained_tokens + buffered_tokens + self.cut_tokens:
             raise AssertionError(
-                f"accounting: generated {self.generated_tokens} tokens != trained {self.trained_tokens} + "
+                f"accounting: generated {self.generated_tokens} policy tokens != trained {self.trained_tokens} + "
                 f"buffered {buffered_tokens} + cut {self.cut_tokens}"
+            )
+        if self.env_tokens != self.trained_env_tokens + buffered_env + self.cut_env_tokens:
+            raise AssertionError(
+                f"accounting: appended {self.env_tokens} environment tokens != trained {self.trained_env_tokens} "
+                f"+ buffered {buffered_env} + cut {self.cut_env_tokens}"
             )
 
 
@@ -134,7 +149,7 @@ class Loop:
 
     def __init__(self, cfg: RolloutConfig, algo: AlgoConfig, engine: RolloutEngine, trainer: Trainer,
                  make_group: Callable[[int], Group], reward: Callable[[Group, Response], float],
-                 weights: WeightSync | None = None) -> None:
+                 weights: WeightSync | None = None, tools: ToolTurns | None = None) -> None:
         self.cfg, self.algo = cfg, algo
         self.engine, self.trainer = engine, trainer
         self.weights: WeightSync = weights or InMemoryWeights(engine, trainer)
@@ -143,10 +158,15 @@ class Loop:
         self.buffer = RolloutBuffer()
         self.ledger = Ledger()
         self.sampling = SamplingParams(temperature=cfg.temperature)
+        self.tools = tools  # multi-turn: the tool turns between the engine and the tool runner
+        if tools is not None:
+            self.sampling = tools.sampling(self.sampling)
         self.step = 0
         self.version = 0
         self.next_group_id = 0
-        self._longest_chunk = 0  # most tokens one engine output of this rollout phase carried (decode_iters)
+        # policy tokens each response received in this rollout phase (decode_iters: the most; a multi-turn
+        # response receives them in several outputs, one a turn)
+        self._phase_tokens: dict[str, int] = {}
 
     # --- the loop -------------------------------------------------------------------------------------------
 
@@ -173,6 +193,7 @@ class Loop:
             **train_metrics,
             **rollout,
             **verified,
+            **(self.tools.step_stats([r for g in groups for r in g.responses]) if self.tools else {}),
             "step": self.step,
             "mode": mode,
             "policy_version": self.version,
@@ -192,8 +213,8 @@ class Loop:
     def rollout(self) -> dict[str, Any]:
         cfg, buffer = self.cfg, self.buffer
         carries_over = self.strategy.carries_over
-        generated_before = self.ledger.generated_tokens
-        self._longest_chunk = 0
+        generated_before, env_before = self.ledger.generated_tokens, self.ledger.env_tokens
+        self._phase_tokens = {}
         self.engine.resume()
         # on_policy completes exactly B groups, the backlog's first; the carry-over modes keep the engines full
         phase = None if carries_over else on_policy_groups(buffer, cfg.batch_groups)
@@ -206,7 +227,7 @@ class Loop:
         last_progress = time.monotonic()
         while True:
             launched_now += self._fill(phase)
-            done = self._record(self.engine.wait_finished(cfg.wait_s))
+            done = self._record(self.engine.wait_finished(cfg.wait_s)) + self._tool_outputs()
             resubmitted += self._resubmit_lost(phase)
             if done:
                 last_progress = time.monotonic()
@@ -224,12 +245,13 @@ class Loop:
         self._record(self.engine.wait_finished(0.0))  # anything that finished while pausing
         return {
             "tokens_generated": self.ledger.generated_tokens - generated_before,
+            "env_tokens_appended": self.ledger.env_tokens - env_before,
             # the phase's sequential decode iterations: every running sequence gains one token per engine
             # iteration, so the most tokens one response received in the phase is their number (exact while one
             # response runs through the whole phase, as the longest on-policy response and a carried long-tail
             # one do; capacity max_live <= the engine's max_running_requests). Hardware-neutral: on a GPU a
             # decode iteration costs about the same at batch 4 as at 64, on a CPU in proportion to the batch.
-            "decode_iters": self._longest_chunk,
+            "decode_iters": max(self._phase_tokens.values(), default=0),
             "n_launched_groups": launched_now,
             "n_paused": len(paused),
             "n_resubmitted": resubmitted,
@@ -269,6 +291,8 @@ class Loop:
         return len(again)
 
     def _submit(self, responses: Sequence[Response]) -> None:
+        if self.tools is not None:  # one waiting on a tool stays off the engine
+            responses = self.tools.submittable(responses)
         if responses:
             self.engine.submit(responses, self.sampling)
 
@@ -279,22 +303,43 @@ class Loop:
             self._record(self.engine.pause())
 
     def _record(self, chunks: Sequence[Chunk]) -> int:
-        """Append engine output to the buffer; score responses that finished. Returns how many finished."""
+        """Append engine output to the buffer; score responses that finished, start the tool call of those that
+        stopped at one. Returns how many finished or called."""
         finished = 0
         for c in chunks:
             if c.finish_reason == "error":
                 raise RuntimeError(f"the engine failed response {c.response_id}: {c.error}")
             response = self.buffer.get(c.response_id)
+            call = self.tools is not None and self.tools.is_call(c, response)
             self.buffer.record(
-                c.response_id, c.token_ids, c.logprobs, c.versions, c.routed_experts, finish_reason=c.finish_reason,
-                offset=c.offset, prompt_routes=c.prompt_routed_experts, prefix_routes=c.prefix_routed_experts,
+                c.response_id, c.token_ids, c.logprobs, c.versions, c.routed_experts,
+                finish_reason=None if call else c.finish_reason, finished=False if call else None, offset=c.offset,
+                prompt_routes=c.prompt_routed_experts, prefix_routes=c.prefix_routed_experts,
             )
             self.ledger.generated_tokens += len(c.token_ids)
-            self._longest_chunk = max(self._longest_chunk, len(c.token_ids))
-            if response.finished:
+            self._phase_tokens[c.response_id] = self._phase_tokens.get(c.response_id, 0) + len(c.token_ids)
+            if call:
+                self.tools.start(response)
+                finished += 1
+            elif response.finished:
                 response.reward = float(self.reward(self.buffer.groups[response.group_id], response))
                 finished += 1
         return finished
+
+    def _tool_outputs(self, wait_s: float = 0.0) -> int:
+        """The finished tool calls' outputs appended and continued (`ToolTurns.deliver`); returns how many."""
+        if self.tools is None:
+            return 0
+        delivered = self.tools.deliver(self.buffer, self.engine, wait_s)
+        self.ledger.env_tokens += delivered.env_tokens
+        for r in delivered.ended:
+            r.reward = float(self.reward(self.buffer.groups[r.group_id], r))
+        return delivered.continued + len(delivered.ended)
+
+    def settle_tools(self) -> None:
+        """Every tool call in flight finished and its output appended (before a checkpoint is written)."""
+        while self.tools is not None and self.tools.pending:
+            self._tool_outputs(wait_s=1.0)
 
     # --- 2. train -------------------------------------------------------------------------------------------
 
@@ -311,7 +356,8 @@ class Loop:
         if tracked:
             self.engine.drop(tracked)
         self.ledger.trained += len(responses)
-        self.ledger.trained_tokens += sum(r.num_tokens for r in responses)
+        self.ledger.trained_tokens += sum(r.num_policy_tokens for r in responses)
+        self.ledger.trained_env_tokens += sum(r.num_env_tokens for r in responses)
         ops = _trained_ops(responses, metrics)
         return {**{TRAIN_PREFIX + k: float(v) for k, v in metrics.items() if isinstance(v, int | float)}, **ops}
 
@@ -371,17 +417,19 @@ class Loop:
                 stats["logprob_wait_s"] = time.perf_counter() - t0
         return self.strategy.apply(carried, new_lp, self.version), unverified
 
-    def _apply(self, outcome: VerifyOutcome) -> tuple[int, int, set[str]]:
+    def _apply(self, outcome: VerifyOutcome) -> tuple[TokenCounts, TokenCounts, set[str]]:
         """The outcome's cuts in the buffer and the ledger; at a switch to on_policy also the backlog's restart.
         Returns (tokens cut, of them the backlog's, the backlog's response ids)."""
         cut = self.buffer.apply_truncation(outcome.decisions)
         self.ledger.restarted += int(sum(1 for k in outcome.keep_lengths if k == 0))
-        shelved, shelved_cut = set(), 0
+        shelved, shelved_cut = set(), TokenCounts()
         if outcome.switched:  # every group but the B the next step completes restarts and leaves the engines
             shelved, shelved_cut, restarted = shelve_backlog(self.buffer, self.cfg.batch_groups)
             self.ledger.restarted += restarted
         cut += shelved_cut
-        self.ledger.cut_tokens += cut
+        self.ledger.cut(cut)
+        if self.tools is not None:  # a call cut before its stop token delivers nothing
+            self.tools.forget_cut(self.buffer)
         return cut, shelved_cut, shelved
 
     def _send(self, outcome: VerifyOutcome, shelved: set[str], unverified: list[str] | None) -> None:
@@ -411,7 +459,9 @@ class Loop:
         verification cuts becomes live again: until the next finish the engines may then hold up to that many
         more than `max_live` (SGLang queues what its `max_running_requests` does not take)."""
         tracked = self.engine.response_ids()
-        unverified = [r.response_id for r in carried if r.response_id in tracked and not r.finished]
+        waiting = self.tools.waiting if self.tools is not None else (lambda _: False)
+        unverified = [r.response_id for r in carried if r.response_id in tracked and not r.finished
+                      and not waiting(r.response_id)]
         self.engine.resume(hold=unverified)
         return unverified, self._fill(None)
 
@@ -463,7 +513,7 @@ def new_logprobs(carried: list[Response], engine: RolloutEngine, trainer: Traine
     return out, len(carried) - len(rest)  # type: ignore[return-value]
 
 
-def shelve_backlog(buffer: RolloutBuffer, batch_groups: int) -> tuple[set[str], int, int]:
+def shelve_backlog(buffer: RolloutBuffer, batch_groups: int) -> tuple[set[str], TokenCounts, int]:
     """At the switch to on_policy: every group but the B the next step completes restarts from its prompt and
     waits off the engines until an on_policy phase takes it. Returns (its response ids, tokens cut, responses
     restarted)."""
@@ -474,7 +524,7 @@ def shelve_backlog(buffer: RolloutBuffer, batch_groups: int) -> tuple[set[str], 
     return {r.response_id for r in shelved}, cut, restarted
 
 
-def verify_metrics(outcome: VerifyOutcome, cut: int, backlog_cut: int) -> dict[str, Any]:
+def verify_metrics(outcome: VerifyOutcome, cut: TokenCounts, backlog_cut: TokenCounts) -> dict[str, Any]:
     """A verification's metrics: the strategy's statistics whole under `verify/`, a few under their own names."""
     s = outcome.stats
     return {
@@ -485,8 +535,9 @@ def verify_metrics(outcome: VerifyOutcome, cut: int, backlog_cut: int) -> dict[s
         "staleness_max": s["staleness_max"],
         "verified_tokens": s["verified_tokens"],
         "kept_tokens": s["kept_tokens"],
-        "cut_tokens": float(cut),
-        "backlog_cut_tokens": float(backlog_cut),
+        "cut_tokens": float(cut.policy),
+        "backlog_cut_tokens": float(backlog_cut.policy),
+        **({"cut_env_tokens": float(cut.env)} if cut.env else {}),
         "switched": bool(outcome.switched),
         **({"switch_reason": outcome.switch_reason} if outcome.switched else {}),
     }

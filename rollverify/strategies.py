@@ -11,6 +11,10 @@ Every strategy maps (carried-over responses, the trainer's new log-probs, new po
 ``VerifyOutcome``: a keep length per response plus the statistics the loop logs, whole, under ``verify/``.
 Token OPS of the carried tokens is computed once per call, in ``Strategy.apply``, whenever new log-probs are
 given: it feeds both the ``ops_mean`` statistic and the OPS-based decisions.
+
+Strategies see policy tokens only (``VerifyBatch``): OPS, segments, both stages, acceptance and the switch
+count them, environment tokens never cause a cut, and ``apply`` maps each keep length back to the whole
+response (a cut at a policy token removes the environment tokens after it too).
 """
 
 from __future__ import annotations
@@ -94,7 +98,8 @@ class AlgoConfig:
 
 @dataclass
 class VerifyOutcome:
-    """Keep lengths for the carried-over responses (aligned with the input order) and the step's stats."""
+    """Keep lengths for the carried-over responses (aligned with the input order) and the step's stats;
+    lengths count every token (environment ones included), the stats count policy tokens unless named env."""
 
     response_ids: list[str]
     lengths: np.ndarray  # [R] int64 tokens before
@@ -181,19 +186,22 @@ class Strategy:
     ) -> VerifyOutcome:
         """Decide what to keep of each carried-over response, checked against ``policy_version``.
 
-        new_logprobs: the trainer's log-probs of each response's generated tokens under the new policy,
-        one array per response (or packed [N]); required when ``needs_new_logprobs``, optional otherwise.
-        When given, the token OPS D is computed here, once: the strategy decides from it and the stats
-        report its mean over the finite values as ``ops_mean``.
+        new_logprobs: the trainer's log-probs of each response's tokens under the new policy, one array per
+        response over all its tokens (or packed over all of them); required when ``needs_new_logprobs``,
+        optional otherwise. Only the policy tokens' are read. When given, the token OPS D is computed here,
+        once: the strategy decides from it and the stats report its mean over the finite values as ``ops_mean``.
         """
         batch = VerifyBatch.from_responses(responses, self.device)
         ops = None
         if new_logprobs is not None or self.needs_new_logprobs:
-            ops = token_ops(batch.logprobs, _pack_new_logprobs(new_logprobs, batch))
+            ops = token_ops(batch.logprobs, batch.policy_only(_pack_new_logprobs(new_logprobs, batch)))
         keep, stats = self._keep(batch, ops, responses, policy_version)
+        full_keep = batch.full_keep(keep.to(torch.int64)).cpu().numpy().astype(np.int64)
         lengths, keep = batch.lengths.cpu().numpy(), keep.cpu().numpy().astype(np.int64)
-        stats = {**_common_stats(responses, lengths, keep, policy_version), **_token_ops_stats(ops), **stats}
-        return VerifyOutcome(batch.response_ids, lengths, keep, stats)
+        full = batch.full_lengths.cpu().numpy()
+        stats = {**_common_stats(responses, lengths, keep, policy_version), **_env_stats(full - lengths,
+                 full_keep - keep), **_token_ops_stats(ops), **stats}
+        return VerifyOutcome(batch.response_ids, full, full_keep, stats)
 
     def _keep(
         self, batch: VerifyBatch, ops: Tensor | None, responses: Sequence[Response], version: int
@@ -347,16 +355,18 @@ def _pack_new_logprobs(new_logprobs: NewLogprobs, batch: VerifyBatch) -> Tensor:
                 f"new_logprobs must hold one array per response ({len(batch.response_ids)}), got {len(new_logprobs)}"
             )
         lens = [len(x) for x in new_logprobs]
-        if lens != batch.lengths.tolist():
-            bad = next(i for i, (a, b) in enumerate(zip(lens, batch.lengths.tolist(), strict=True)) if a != b)
+        if lens != batch.full_lengths.tolist():
+            bad = next(i for i, (a, b) in enumerate(zip(lens, batch.full_lengths.tolist(), strict=True)) if a != b)
             raise ValueError(
                 f"new_logprobs[{bad}] ({batch.response_ids[bad]}) must have one value per generated token "
-                f"({batch.lengths[bad]}), got {lens[bad]}"
+                f"({batch.full_lengths[bad]}), got {lens[bad]}"
             )
         arrays = [torch.as_tensor(x, dtype=torch.float32).reshape(-1) for x in new_logprobs]
         packed = torch.cat(arrays) if arrays else torch.zeros(0)
-    if packed.shape != (batch.num_tokens,):
-        raise ValueError(f"packed new_logprobs must be [N={batch.num_tokens}], got {tuple(packed.shape)}")
+    total = int(batch.full_lengths.sum())
+    if packed.shape != (total,):
+        raise ValueError(f"packed new_logprobs must be [N={total}] (every token of the responses), "
+                         f"got {tuple(packed.shape)}")
     return packed.to(device=batch.logprobs.device, dtype=torch.float32)
 
 
@@ -377,6 +387,13 @@ def _common_stats(
         "staleness_mean": float(staleness.mean()) if len(staleness) else 0.0,
         "staleness_max": float(staleness.max()) if len(staleness) else 0.0,
     }
+
+
+def _env_stats(env: np.ndarray, env_kept: np.ndarray) -> dict[str, float]:
+    """Environment tokens of the verified responses and how many the cuts kept (a cut removes those after it)."""
+    if not env.any():
+        return {}
+    return {"env_tokens": float(env.sum()), "env_kept_tokens": float(env_kept.sum())}
 
 
 def _token_ops_stats(ops: Tensor | None) -> dict[str, float]:

@@ -220,6 +220,12 @@ class ServerConnection:
     async def truncate(self, keep: dict[str, int]) -> dict:
         return (await self.call("truncate", {"keep": {k: int(v) for k, v in keep.items()}})).body
 
+    async def append(self, tokens: dict[str, Sequence[int] | np.ndarray], launch: bool = True) -> dict:
+        """Append environment tokens (rid -> ids) to responses that are not generating and continue them."""
+        items = [{"rid": rid, "count": len(ids)} for rid, ids in tokens.items()]
+        flat = concat([np.asarray(ids, np.int32) for ids in tokens.values()], np.int32)
+        return (await self.call("append", {"items": items, "launch": launch}, {"token_ids": flat})).body
+
     async def drop(self, rids: Sequence[str] | None = None, all: bool = False) -> dict:
         body: dict[str, Any] = {"all": True} if all else {"rids": list(rids or [])}
         return (await self.call("drop", body)).body

@@ -23,6 +23,9 @@ MAX_HEADER_BYTES = 16 << 20
 MAX_HEADER_DEPTH = 16  # nesting of JSON arrays and objects in a header (a submit needs 5)
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # every JSON integer in a header
 INT32_MAX = 2**31 - 1  # weights versions and token counts (they travel as int32 buffers)
+# The version an environment token carries (a tool's output the controller appended: no log-prob, NaN; no policy
+# version); -1 is a submitted prefix token of unknown version.
+ENV_VERSION = -2
 MAX_ID_CHARS = 256  # a string request id
 MAX_RID_CHARS = 512  # a response id
 MAX_BUFFER_DIMS = 8
@@ -451,6 +454,19 @@ class TruncateBody(_Body):
     keep: dict[str, int]  # each keep length is checked against its response: KEEP_OUT_OF_RANGE
 
 
+class AppendItem(_Body):
+    rid: Rid
+    count: int = Field(ge=1, le=INT32_MAX)  # environment tokens for this response, in `token_ids`
+
+
+class AppendBody(_Body):
+    """Environment tokens (buffer `token_ids` int32, items end to end) appended to responses that are not
+    generating; each then continues (launched at once unless the server is paused or `launch` is false)."""
+
+    items: list[AppendItem] = Field(min_length=1, max_length=MAX_ITEMS)
+    launch: bool = True
+
+
 class DropBody(_Body):
     rids: list[str] | None = None
     all: bool = False
@@ -562,6 +578,7 @@ BODIES: dict[str, type[BaseModel]] = {
     "pause": PauseBody,
     "resume": ResumeBody,
     "truncate": TruncateBody,
+    "append": AppendBody,
     "drop": DropBody,
     "fetch": FetchBody,
     "events": EventsBody,
@@ -591,12 +608,14 @@ SUBMIT_BUFFERS = frozenset(
     }
 )
 
+APPEND_BUFFERS = frozenset({"token_ids"})
+
 
 def check_buffer_names(typ: str, msg: Message) -> None:
     """Refuse buffers a request type does not take (update_weights' are named by the weights themselves)."""
     if typ == "update_weights":
         return
-    allowed = SUBMIT_BUFFERS if typ == "submit" else frozenset()
+    allowed = SUBMIT_BUFFERS if typ == "submit" else APPEND_BUFFERS if typ == "append" else frozenset()
     unknown = [n for n in msg.frames if n not in allowed]
     if unknown:
         takes = f"its buffers are {sorted(allowed)}" if allowed else "it takes none"

@@ -30,7 +30,7 @@ from rollverify.interfaces import Chunk, SamplingParams
 from rollverify.types import Response
 from sglang_ext.client import UNAVAILABLE, ControlError, CurveKeys, SubmitRequest
 from sglang_ext.pool import ServerAddress, ServerPool, ServerSlot, gather
-from sglang_ext.protocol import OutputBatch, WireSamplingParams
+from sglang_ext.protocol import ENV_VERSION, OutputBatch, WireSamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -45,15 +45,19 @@ def _wire(s: SamplingParams | WireSamplingParams) -> WireSamplingParams:
 
 
 def _request(r: Response) -> SubmitRequest:
-    """Prompt plus the kept prefix with what the buffer holds of it (log-probs, versions, routes)."""
+    """Prompt plus the kept prefix with what the buffer holds of it (log-probs, versions, routes; environment
+    tokens as the wire's ENV_VERSION, their routes, unknown until the engine prefills them, left out)."""
+    routes = r.routed_experts if r.num_tokens else None
+    if routes is not None and (routes < 0).any():
+        routes = None  # the server re-captures every route at the launch
     return SubmitRequest(
         rid=r.response_id,
         prompt_ids=r.prompt_ids,
         max_new_tokens=r.max_new_tokens,
         prefix_ids=r.token_ids,
         prefix_logprobs=r.logprobs if r.num_tokens else None,
-        prefix_versions=r.versions if r.num_tokens else None,
-        prefix_routed_experts=r.routed_experts if r.num_tokens else None,
+        prefix_versions=np.where(r.policy_mask, r.versions, ENV_VERSION) if r.num_tokens else None,
+        prefix_routed_experts=routes,
         prompt_routed_experts=r.prompt_routed_experts,
         group=str(r.group_id),
     )
@@ -125,6 +129,12 @@ class SGLangRolloutEngine:
         plan = self._by_holder(keep)
         self._settle(self.pool.fan({s: s.conn.truncate({rid: int(keep[rid]) for rid in rids})
                                     for s, rids in plan.items()}))
+
+    def append(self, tokens: dict[str, np.ndarray]) -> None:
+        """Append environment tokens to held responses and continue them (launched unless paused)."""
+        self._check_servers()
+        plan = self._by_holder(tokens)
+        self._settle(self.pool.fan({s: s.conn.append({rid: tokens[rid] for rid in rids}) for s, rids in plan.items()}))
 
     def drop(self, response_ids: Iterable[str]) -> None:
         self._check_servers()

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from sglang_ext.protocol import Output, WireSamplingParams, encode_outputs
+from sglang_ext.protocol import ENV_VERSION, Output, WireSamplingParams, encode_outputs
 
 
 class State(StrEnum):
@@ -141,6 +141,22 @@ class Record:
             )
         )
         self.n += n
+
+    def append_environment(self, ids: np.ndarray) -> None:
+        """Environment tokens the controller appended (it holds them: they count as reported): log-prob NaN,
+        version ENV_VERSION, routes unknown until the next launch, which re-captures every route (a finished
+        response becomes paused, ready to continue)."""
+        n = len(ids)
+        rs = self.route_shape
+        routes = None if rs is None else np.full((n, rs.layers, rs.top_k), np.iinfo(rs.dtype).max, rs.dtype)
+        self.segments.append((ids.astype(np.int32, copy=True), np.full(n, np.nan, np.float32),
+                              np.full(n, ENV_VERSION, np.int32), routes))
+        self.n += n
+        self.reported = self.n
+        self.routes_version = None
+        if self.state is State.FINISHED:
+            self.state = State.PAUSED
+            self.finish_reason = self.matched_stop = self.error = None
 
     def reroute(self, prompt_routes: np.ndarray, prefix_routes: np.ndarray, version: int) -> None:
         """The engine re-prefilled the prompt and the first len(prefix_routes) tokens under `version`: their

@@ -63,3 +63,21 @@ def reference_verify(
     """Keep length per response from the engine's and the trainer's log-probs."""
     ops = [reference_token_ops(o, w) for o, w in zip(old, new, strict=True)]
     return reference_verify_ops(ops, versions, lengths, d_s, d_t)
+
+
+def reference_verify_sources(
+    old: list[float], new: list[float], versions: list[int], sources: list[int], lengths: list[int], d_s: float,
+    d_t: float,
+) -> list[int]:
+    """Keep length per whole response whose tokens are of two sources (0 policy, 1 environment): the
+    verification reads the policy tokens only, as if the environment tokens were not there; a cut at policy
+    token k keeps the tokens before it (environment tokens among them), keeping every policy token keeps the
+    whole response."""
+    keep, pos = [], 0
+    for n in lengths:
+        idx = [pos + j for j in range(n) if sources[pos + j] == 0]
+        k = reference_verify([old[i] for i in idx], [new[i] for i in idx], [versions[i] for i in idx], [len(idx)],
+                             d_s, d_t)[0]
+        keep.append(n if k == len(idx) else idx[k] - pos)
+        pos += n
+    return keep

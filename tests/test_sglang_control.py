@@ -269,7 +269,7 @@ def test_200_responses_through_5_cycles_exact_accounting(dense_server, moe_serve
                     keep[r.response_id] = r.num_tokens - 1  # a finished response cut short lives again
                     revived += 1
                     finishes[r.response_id] -= 1
-            cut += buffer.apply_truncation(keep)
+            cut += buffer.apply_truncation(keep).total
             engine.truncate(keep)
             for i, s in enumerate(servers):
                 batch, body = fetch(s)

@@ -186,3 +186,73 @@ def test_an_idle_server_pays_off_the_prefill_it_owes_as_time_passes():
     assert -engine.credit[1] == pytest.approx(owed[1] * 3 / 4)  # paid off in part while idle, not forgiven
     engine.release([r.response_id for r in held])
     assert engine.credit[1] == pytest.approx(-owed[1] * 3 / 4)  # their prefixes are cached: nothing more to prefill
+
+
+def test_tool_waits_lengthen_on_policy_steps_and_carry_over_saves_more_of_them():
+    """Multi-turn: trajectories make up to 6 calls of ~20 s; on_policy waits for the longest trajectory's turns
+    and calls, the carry-over modes do not (a call in flight goes on through training)."""
+    from rollverify.sim.engine import ToolModel
+
+    base = replace(SMALL, workload=replace(SMALL.workload, sigma_response=0.3), drift=DriftModel(sigma=0.002, growth=0.0))
+    tools = replace(base, tools=ToolModel(max_calls=6, latency_median_s=20.0, latency_sigma=1.0))
+    plain = {m: simulate(m, 8192, base) for m in ("on_policy", "partial", "rollverify")}
+    multi = {m: simulate(m, 8192, tools) for m in ("on_policy", "partial", "rollverify")}
+    assert plain["on_policy"].tool_calls_per_step == 0 and multi["on_policy"].tool_calls_per_step > 0
+    assert multi["on_policy"].step_s_mean > plain["on_policy"].step_s_mean + 20.0  # it waits for calls
+    assert multi["on_policy"].tool_idle_share > 0  # at times every live sequence waits on a call
+    saved_plain = plain["partial"].step_s_mean / plain["on_policy"].step_s_mean
+    saved_multi = multi["partial"].step_s_mean / multi["on_policy"].step_s_mean
+    assert saved_multi < saved_plain and saved_multi < 0.8
+    rv = multi["rollverify"]
+    assert rv.step_s_mean < multi["on_policy"].step_s_mean and 0 < rv.acceptance_mean <= 1
+    assert simulate("partial", 8192, tools) == multi["partial"]  # deterministic
+
+
+def test_a_cut_before_a_call_cancels_it_and_a_pause_lets_it_run_on():
+    from rollverify.sim.engine import ToolModel
+
+    cost, workload = CostModel(ModelSpec(), ClusterSpec(gpus=2)), Workload(token_unit=64)
+    clock = SimClock()
+    engine = SimEngine(cost, workload, clock, tools=ToolModel(max_calls=3, alpha=0.0, latency_median_s=50.0,
+                                                              latency_sigma=0.0))
+    g = Group.new(0, np.zeros(256, np.int32), 4, workload.max_units)
+    engine.submit(g.responses, SamplingParams())
+    calls = {r.response_id: engine.tracked[r.response_id].calls for r in g.responses}
+    assert any(calls.values())
+    while not any(t.wake is not None for t in engine.tracked.values()):
+        engine._step()
+    waiting = next(rid for rid, t in engine.tracked.items() if t.wake is not None)
+    at = engine.tracked[waiting].length
+    chunks = {c.response_id: c for c in engine.pause()}
+    assert len(chunks[waiting].token_ids) == at  # its turn up to the call is reported at the pause
+    wake = engine.tracked[waiting].wake
+    clock.advance(10.0, "train")  # the call runs on through training
+    engine.truncate({waiting: at - 1})  # a cut before the call: cancelled, made again when reached
+    assert engine.tracked[waiting].wake is None
+    engine.resume()
+    assert engine.tracked[waiting].slot >= 0 and wake > clock.now
+
+
+def test_the_tool_model_is_learnt_from_a_runs_metrics(tmp_path):
+    from rollverify.sim.engine import ToolModel
+
+    truth = ToolModel(max_calls=7, alpha=1.2, latency_median_s=0.05, latency_sigma=0.8)
+    rng = np.random.default_rng(0)
+    c = np.arange(8)
+    w = (c + 1.0) ** -1.2
+    rows = []
+    for step in range(20):  # what a run's tool turns log per step (rollverify/tool_turns.py step_stats)
+        secs = 0.05 * np.exp(0.8 * rng.standard_normal(400))
+        turns = rng.choice(c, size=64, p=w / w.sum())
+        rows.append({"step": step + 1, "tools/tool_s_p50": float(np.median(secs)),
+                     "tools/tool_s_p99": float(np.percentile(secs, 99)), "tools/turns_mean": float(turns.mean()),
+                     "tools/turns_max": float(turns.max())})
+    got = ToolModel.fit(rows)
+    assert got.max_calls == 7
+    assert got.latency_median_s == pytest.approx(truth.latency_median_s, rel=0.1)
+    assert got.latency_sigma == pytest.approx(truth.latency_sigma, rel=0.15)
+    assert got.alpha == pytest.approx(truth.alpha, abs=0.25)
+    with pytest.raises(ValueError, match="no tool metrics"):
+        ToolModel.fit([{"step": 1, "reward_mean": 0.5}])
+    (tmp_path / "run").mkdir()
+    assert cli(["simulate", "--out", str(tmp_path / "o"), "--tools-from", str(tmp_path / "run")]) == 2

@@ -31,7 +31,7 @@ def task() -> CountdownTask:
 
 def test_registry(task):
     assert {"countdown", "countdown_short", "math"} <= set(task_names())
-    assert set(synthetic_task_names()) == {"countdown", "countdown_short"}
+    assert set(synthetic_task_names()) == {"countdown", "countdown_short", "toolchain"}
     assert isinstance(task, Task)
     assert get_task("countdown_short").k_max == 16
     with pytest.raises(ValueError, match="unknown task 'nope'.*countdown"):
@@ -292,3 +292,68 @@ def test_file_task(tmp_path):
     ev_path = _write_jsonl(tmp_path / "ev.jsonl", [{"prompt": "1+1?", "label": "2"}])
     t2 = FileTask(path, ev_path)
     assert len(t2) == 200 and [e.label for e in t2.examples("eval")] == ["2"]
+
+
+def test_toolchain_pays_for_the_tool_and_has_long_tailed_turns():
+    from rollverify.app.tiny_model import build_tokenizer
+    from rollverify.app.warm_start import demonstration_batch
+    from rollverify.environment.tool_calls import parse_tool_calls
+
+    t = get_task("toolchain")
+    exs = t.examples("train", 3000)
+    ks = np.array([e.meta["k"] for e in exs])
+    assert ks.min() == 1 and ks.max() == 8 and np.mean(ks) < 3.5 and np.percentile(ks, 99) == 8  # long tail
+    assert not {e.prompt for e in exs} & {e.prompt for e in t.examples("eval", 500)}
+    ex = next(e for e in exs if e.meta["k"] == 3)
+    parts = t.demonstration_segments(ex)
+    policy = [text for text, mine in parts if mine]
+    assert len(policy) == 4 and len(parts) == 7  # 3 calls, 3 outputs, the answer line
+    calls = [parse_tool_calls(text)[0] for text in policy[:3]]
+    x = f"{ex.meta['head']:03d}"
+    for call in calls:  # each call names the node the previous output gave
+        assert call.name == "next" and call.arguments == {"x": x}
+        x = t.lookup(x)
+    assert x == "=" + ex.label and policy[3] == x
+    assert t.reward(ex.prompt, t.demonstration(ex) + "<|endoftext|>", ex.label) == 1.0
+    assert t.reward(ex.prompt, f"={ex.label}", ex.label) == 1.0  # only the answer counts; guessing it is 1/1000
+    assert t.reward(ex.prompt, t.demonstration(ex)[:-1], ex.label) == 0.0
+    assert t.lookup("1000") == "error: no node 1000" and t.lookup(True).startswith("error")
+    tool = t.tool_registry().get("next")
+    assert tool.run({"y": 1}, 1.0).error == "bad_arguments"
+    # the warm start learns the policy's parts only
+    tok = build_tokenizer(128)
+    ids, labels = demonstration_batch(tok, t, [ex])
+    env_ids = tok(parts[1][0], add_special_tokens=False)["input_ids"]
+    n_policy = sum(len(tok(text, add_special_tokens=False)["input_ids"]) for text in policy) + 1  # + EOS
+    assert int((labels != -100).sum()) == n_policy
+    assert len(env_ids) > 10 and tok.convert_tokens_to_ids("</tool_call>") == 101
+
+
+def test_retool_reads_dapo_rows_lists_the_python_tool_and_scores_the_final_turn(tmp_path):
+    from rollverify.app.tiny_model import build_tokenizer
+    from rollverify.tasks.chat import PromptRenderer
+
+    rows = [{"prompt": [{"role": "user", "content": f"What is {i} * 7?"}], "reward_model": {"ground_truth": str(7 * i)},
+             "data_source": "dapo"} for i in range(40)]
+    path = tmp_path / "dapo.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    t = get_task("retool", train_path=str(path), memory_mib=256)
+    ex = t.examples("train", 1)[0]
+    assert ex.messages[0]["role"] == "system" and "python tool" in ex.messages[0]["content"]
+    reg = t.tool_registry()
+    assert reg.get("python") is not None and reg.get("code_interpreter") is reg.get("python")
+    assert reg.get("python").sandbox.limits.memory_bytes == 256 << 20
+    # a template that lists the tools, as Qwen3's does: the prompt carries the python tool's schema
+    tok = build_tokenizer(128)
+    tok.chat_template = ("{% if tools %}# Tools{% for t in tools %} {{ t.function.name }}{% endfor %}\n{% endif %}"
+                         "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                         "<|im_start|>assistant\n")
+    text = PromptRenderer(tok, True, tools=reg.schemas()).text(ex)
+    assert text.startswith("# Tools python") and "<|im_start|>system\nSolve the problem" in text
+    # the reward reads the policy's last turn: a tool's output cannot answer for it
+    call = '<tool_call>\n{"name": "python", "arguments": {"code": "print(6*7)"}}\n</tool_call>'
+    boxed = "\\boxed{" + ex.label + "}"
+    env = f"<|im_end|>\n<|im_start|>user\n<tool_response>\n{boxed}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert t.reward(ex.prompt, call + env + "so " + boxed, ex.label) == 1.0
+    assert t.reward(ex.prompt, call + env + "I do not know", ex.label) == 0.0
+    assert t.reward(ex.prompt, boxed, ex.label) == 1.0  # single turn

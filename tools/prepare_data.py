@@ -1,10 +1,14 @@
-"""Local copies of DAPO-Math-17k and the math benchmarks -> the project's prompt layout. Never downloads.
+"""Local copies of DAPO-Math-17k, the math benchmarks and the code sets -> the project's prompt layout. Never
+downloads.
 
     python tools/prepare_data.py --name dapo    --input dapo-math-17k.parquet          --out data/dapo.parquet
     python tools/prepare_data.py --name aime24  --input aime_2024/train-*.parquet      --out data/aime24.jsonl
     python tools/prepare_data.py --name aime25  --input AIME2025-I.jsonl AIME2025-II.jsonl --out data/aime25.jsonl
     python tools/prepare_data.py --name amc23   --input amc23/test-*.parquet           --out data/amc23.jsonl
     python tools/prepare_data.py --name math500 --input MATH-500/test.jsonl            --out data/math500.jsonl
+    python tools/prepare_data.py --name humaneval --input openai_humaneval/test-*.parquet --out data/humaneval.jsonl
+    python tools/prepare_data.py --name mbpp    --input mbpp/full/test-*.parquet          --out data/mbpp.jsonl
+    python tools/prepare_data.py --name lcb     --input code_generation_lite/test5.jsonl --out data/lcb.jsonl
 
 Input: parquet or JSONL files as published (several files are concatenated). Columns are found by name:
 - DAPO-Math-17k (verl layout): ``prompt`` = chat messages that already hold the instruction, ``reward_model.
@@ -21,6 +25,16 @@ train_path` and `eval.sets` read directly: ``{"data_source": NAME, "prompt": [{"
 "ability": "math", "reward_model": {"ground_truth": ..., "style": "rule"}, "extra_info": {"index": ...}}``.
 A benchmark problem is wrapped in DAPO-Math's instruction (``--template``; ``{problem}`` marks the problem), so
 evaluation asks for the answer the way training did.
+
+Code sets are recognised by their columns (task `code`, rollverify/tasks/code.py, reads the result):
+- HumanEval (openai_humaneval): ``task_id, prompt, test, entry_point``;
+- MBPP (full or sanitized): ``task_id``, ``text`` or ``prompt``, ``test_list``, ``test_setup_code``;
+- LiveCodeBench (code_generation_lite): ``question_id, question_content, starter_code, public_test_cases,
+  private_test_cases, metadata`` (tests as JSON text; ``testtype`` stdin or functional, ``metadata.func_name``).
+  Private tests published compressed (base64 of zlib of a pickle) are not read: unpickling a downloaded file can
+  run code; those problems keep their public tests and the tool says how many.
+They are written with ``ability: code`` and the tests as JSON in ``reward_model.ground_truth`` (``kind``:
+humaneval, mbpp, stdio, functional); the prompt asks for the solution in a fenced Python block.
 """
 
 from __future__ import annotations
@@ -122,6 +136,90 @@ def convert(rows: list[dict[str, Any]], name: str, *, template: str, prompt_key:
     return out
 
 
+CODE_INSTRUCTION = "Write a Python solution in one fenced code block (```python ... ```)."
+
+
+def code_layout(row: dict[str, Any]) -> str | None:
+    """humaneval, mbpp, livecodebench, or None (not a code set) from a row's columns."""
+    if {"test", "entry_point", "prompt"} <= set(row):
+        return "humaneval"
+    if "test_list" in row and ("text" in row or "prompt" in row):
+        return "mbpp"
+    if {"question_content", "public_test_cases"} <= set(row):
+        return "livecodebench"
+    return None
+
+
+def _lcb_cases(raw: Any, where: str) -> list[dict[str, Any]] | None:
+    """LiveCodeBench test cases from their JSON text (None: published compressed, not read)."""
+    if isinstance(raw, list):
+        return raw
+    if not isinstance(raw, str) or not raw.strip():
+        return []
+    try:
+        cases = json.loads(raw)
+    except ValueError:
+        return None  # base64(zlib(pickle)): never unpickled
+    if not isinstance(cases, list):
+        raise PrepareError(f"{where}: test cases must be a JSON list")
+    return cases
+
+
+def convert_code(rows: list[dict[str, Any]], name: str, where: str = "input") -> tuple[list[dict[str, Any]], int]:
+    """Rows of a published code set as rows of the project's code layout; and how many problems kept only
+    their public tests (LiveCodeBench's compressed private ones)."""
+    if not rows:
+        raise PrepareError(f"{where}: no rows")
+    layout = code_layout(rows[0])
+    out, public_only = [], 0
+    for i, row in enumerate(rows):
+        at = f"{where} row {i}"
+        if code_layout(row) != layout:
+            raise PrepareError(f"{at}: not in the {layout} layout of the first row; columns: {', '.join(row)}")
+        if layout == "humaneval":
+            text = f"Complete this Python function.\n\n```python\n{row['prompt']}```\n\n{CODE_INSTRUCTION}"
+            tests = {"kind": "humaneval", "test": row["test"], "entry_point": row["entry_point"],
+                     "prompt": row["prompt"]}
+            index = row.get("task_id", i)
+        elif layout == "mbpp":
+            task = row.get("text") or row.get("prompt")
+            test_list = list(row["test_list"])
+            text = f"{task}\nYour code should pass this test:\n{test_list[0]}\n\n{CODE_INSTRUCTION}"
+            tests = {"kind": "mbpp", "test_list": test_list, "test_setup_code": row.get("test_setup_code") or ""}
+            index = row.get("task_id", i)
+        else:
+            public = _lcb_cases(row.get("public_test_cases"), at) or []
+            private = _lcb_cases(row.get("private_test_cases"), at)
+            if private is None:
+                public_only += 1
+                private = []
+            cases = public + private
+            if not cases:
+                raise PrepareError(f"{at}: no readable test case")
+            meta = row.get("metadata") or "{}"
+            meta = json.loads(meta) if isinstance(meta, str) else meta
+            functional = cases[0].get("testtype") == "functional"
+            pairs = [[c["input"], c["output"]] for c in cases]
+            starter = row.get("starter_code") or ""
+            how = ("Complete the class below; it is called with the test's arguments." if functional else
+                   "Read the input from standard input and print the answer to standard output.")
+            text = row["question_content"] + (f"\n\n```python\n{starter}\n```" if starter else "") + \
+                f"\n\n{how} {CODE_INSTRUCTION}"
+            tests = ({"kind": "functional", "func_name": meta.get("func_name"), "cases": pairs} if functional
+                     else {"kind": "stdio", "cases": pairs})
+            if functional and not isinstance(tests["func_name"], str):
+                raise PrepareError(f"{at}: a functional problem needs metadata.func_name")
+            index = row.get("question_id", i)
+        out.append({
+            "data_source": name,
+            "prompt": [{"role": "user", "content": text}],
+            "ability": "code",
+            "reward_model": {"ground_truth": json.dumps(tests), "style": "code"},
+            "extra_info": {"index": str(index)},
+        })
+    return out, public_only
+
+
 def write_rows(rows: list[dict[str, Any]], out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".partial")
@@ -153,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         if out.exists():
             raise PrepareError(f"--out {out} exists; give a new file name (this tool never overwrites)")
         rows: list[dict[str, Any]] = []
+        public_only = 0
         for f in map(Path, a.input):
             if f.suffix not in SUFFIXES:
                 raise PrepareError(f"--input {f}: unsupported file type; give {', '.join(SUFFIXES)} files")
@@ -161,9 +260,18 @@ def main(argv: list[str] | None = None) -> int:
                     f"--input {f} does not exist; download the data set yourself (this tool reads local "
                     "copies only, it never downloads)"
                 )
-            rows += convert(read_rows(f), a.name, template=a.template, prompt_key=a.prompt_key,
+            read = read_rows(f)
+            if read and code_layout(read[0]) is not None:
+                got, n = convert_code(read, a.name, where=str(f))
+                rows += got
+                public_only += n
+                continue
+            rows += convert(read, a.name, template=a.template, prompt_key=a.prompt_key,
                             label_key=a.label_key, id_key=a.id_key, dedupe=False, where=str(f))
-        if not a.keep_duplicates:
+        if public_only:
+            print(f"note: {public_only} problems keep only their public tests (their private tests are "
+                  "published pickled, which this tool does not load)", file=sys.stderr)
+        if not a.keep_duplicates and rows and rows[0]["ability"] != "code":
             rows = convert(rows, a.name, template=a.template, dedupe=True, where="merged input")
     except (PrepareError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -6,7 +6,8 @@ A run is expensive (servers, trainer ranks, minutes to days), so every key is ch
 a value of the wrong type or out of range, or an inconsistent combination (parallel sizes that do not divide,
 an eval larger than the run) is a `ConfigError` that names the key and says what is allowed. A section is the
 dataclass its consumer takes and owns, with its own rules (`check()`): `rollout` is the loop's
-`rollverify.loop.RolloutConfig`, `algo` the strategies' `rollverify.strategies.AlgoConfig`, `trainer` the trainer
+`rollverify.loop.RolloutConfig`, `tools` the tool turns' `rollverify.tool_turns.ToolsConfig`, `algo` the
+strategies' `rollverify.strategies.AlgoConfig`, `trainer` the trainer
 wing's `megatron_bridge.config.TrainerConfig`; the run config composes them with the application's own sections
 and checks the rules that span sections, so the file and the code share one definition and nothing is copied
 or renamed between them.
@@ -27,6 +28,7 @@ from megatron_bridge.config import TrainerConfig
 from rollverify.loop import RolloutConfig
 from rollverify.sections import ConfigError, bounded, build, coerce, suggest
 from rollverify.strategies import AlgoConfig
+from rollverify.tool_turns import ToolsConfig
 
 __all__ = ["ConfigError", "RunConfig", "load_config", "parse_override", "apply_overrides", "find_config",
            "shipped_configs", "SECTIONS"]
@@ -124,6 +126,7 @@ SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "task": TaskConfig,
     "rollout": RolloutConfig,
+    "tools": ToolsConfig,
     "algo": AlgoConfig,
     "trainer": TrainerConfig,
     "eval": EvalConfig,
@@ -140,6 +143,7 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -273,6 +277,7 @@ class RunConfig:
                     )
                 m.tiny_overrides[k] = coerce(v, hints[k], f"model.tiny_overrides.{k}")
         r.check()  # each section its own rules, then the rules between sections
+        self.tools.check()
         t.check()
         if t.ep > 1 and m.path is None and not m.moe:
             raise ConfigError("trainer.ep: expert parallelism needs an MoE model (model.moe: true)")

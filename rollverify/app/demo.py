@@ -37,6 +37,11 @@ COLUMNS = (
     ("trained OPS", "trained_ops_mean"),
     ("acceptance", "acceptance_rate"),
 )
+TOOL_COLUMNS = (  # a multi-turn run's (`--tools`)
+    ("tool s/step", "tool_s"),
+    ("turns (mean)", "turns_mean"),
+    ("env token share", "env_share"),
+)
 
 
 def _values(rows: list[dict], key: str) -> list[float]:
@@ -103,10 +108,11 @@ def _cell(r: dict, key: str) -> str:
 
 def table(results: dict[str, dict]) -> str:
     """One row per mode; `-` where a figure does not apply (no carried responses under on_policy, no eval)."""
-    head = f"{'mode':<12}" + "".join(f"{name:>20}" for name, _ in COLUMNS)
+    columns = COLUMNS + (TOOL_COLUMNS if any("tool_s" in r for r in results.values()) else ())
+    head = f"{'mode':<12}" + "".join(f"{name:>20}" for name, _ in columns)
     lines = [head, "-" * len(head)]
     for mode, r in results.items():
-        cells = "".join(f"{_cell(r, key):>20}" for _, key in COLUMNS)
+        cells = "".join(f"{_cell(r, key):>20}" for _, key in columns)
         lines.append(f"{mode:<12}{cells}")
     return "\n".join(lines)
 
@@ -121,7 +127,9 @@ def cli_main(argv: list[str] | None = None) -> int:
         "the first run also makes the tiny model (about a minute, then cached).",
         epilog="example: rollverify demo --modes on_policy partial rollverify --steps 20 seed=1",
     )
-    p.add_argument("--config", default="tiny_cpu", help="YAML config or a shipped config's name (default tiny_cpu)")
+    p.add_argument("--config", default=None, help="YAML config or a shipped config's name (default tiny_cpu)")
+    p.add_argument("--tools", action="store_true", help="multi-turn tool use: the tool task of configs/tiny_tools.yaml "
+                   "(a trajectory calls the `next` tool once per turn; its outputs are environment tokens)")
     p.add_argument(
         "--out", default=None, help=f"folder for the runs and the plot (default {DEFAULT_OUT}, or the next free "
         f"{DEFAULT_OUT}-N)"
@@ -139,6 +147,8 @@ def cli_main(argv: list[str] | None = None) -> int:
                    "eval.every=0, e.g. partial when only its OPS is compared")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides applied to every run")
     a = p.parse_args(argv)
+    if a.config is None:
+        a.config = "tiny_tools" if a.tools else "tiny_cpu"
 
     from rollverify.app.start import resolve_model
     from rollverify.app.train import train
@@ -203,6 +213,9 @@ def cli_main(argv: list[str] | None = None) -> int:
                 "trained_ops_mean": _mean(rows, "trained_ops_mean"),
                 "acceptance_rate": _mean(rows, "acceptance_rate"),
             }
+            if any("tools/calls" in r for r in rows):
+                results[mode].update(tool_s=_mean(rows, "tools/tool_s_sum"), turns_mean=_mean(rows, "tools/turns_mean"),
+                                     env_share=_mean(rows, "tools/env_token_share"))
     plot = plot_comparison({m: out / m for m in a.modes}, out / "comparison.png")
     print()
     print(table(results))

@@ -86,6 +86,7 @@ class Evaluator:
         temperature: float,
         max_new_tokens: int,
         solved_at: float = 1.0,
+        tools: Any = None,
     ) -> None:
         if not sets or any(not s.examples for s in sets):
             raise ValueError("evaluation needs at least one set, each with at least one prompt")
@@ -93,6 +94,7 @@ class Evaluator:
         self.render, self.decode, self.score = render, decode, score
         self.k, self.temperature, self.max_new_tokens = n_samples, temperature, max_new_tokens
         self.solved_at = solved_at
+        self.tools = tools  # a multi-turn task's ToolTurns: each response generated turn by turn with its calls
         self._ids = [[np.asarray(render(x), np.int32) for x in s.examples] for s in self.sets]
 
     @property
@@ -102,7 +104,11 @@ class Evaluator:
     def run(self, engine: Any, tag: str = "eval") -> dict[str, float]:
         """One batch over every set (k copies of each prompt), then the per-set metrics and `eval_reward`."""
         prompts = [ids for set_ids in self._ids for ids in set_ids for _ in range(self.k)]
-        outs = engine.generate(prompts, self.max_new_tokens, SamplingParams(temperature=self.temperature), tag=tag)
+        sampling = SamplingParams(temperature=self.temperature)
+        if self.tools is not None:
+            outs = self.tools.generate(engine.generate, prompts, self.max_new_tokens, sampling, tag)
+        else:
+            outs = engine.generate(prompts, self.max_new_tokens, sampling, tag=tag)
         metrics: dict[str, float] = {}
         ses = []
         i = 0
@@ -120,15 +126,18 @@ class Evaluator:
         return metrics
 
 
-def build_evaluator(cfg: Any, task: Any, tokenizer: Any, score: Callable[[str, str, str], float]) -> Evaluator:
-    """The evaluator of a run config (`RunConfig`) for this task, tokenizer and reward."""
+def build_evaluator(cfg: Any, task: Any, tokenizer: Any, score: Callable[[str, str, str], float],
+                    tools: Any = None) -> Evaluator:
+    """The evaluator of a run config (`RunConfig`) for this task, tokenizer and reward (`tools`: the run's
+    ToolTurns, for a multi-turn task)."""
     from rollverify.tasks.chat import PromptRenderer
 
     e = cfg.eval
     sets = load_eval_sets(parse_eval_sets(e.sets))
     if not sets:
         sets = [EvalSet(HELDOUT, task.examples("eval", e.n_prompts, seed=cfg.seed))]
-    renderer = PromptRenderer(tokenizer, getattr(task, "chat_template", "auto"))
+    renderer = PromptRenderer(tokenizer, getattr(task, "chat_template", "auto"),
+                              tools=tools.schemas() if tools is not None else None)
     return Evaluator(
         sets,
         render=renderer.ids,
@@ -138,6 +147,7 @@ def build_evaluator(cfg: Any, task: Any, tokenizer: Any, score: Callable[[str, s
         temperature=e.temperature,
         max_new_tokens=e.max_new_tokens or cfg.rollout.max_new_tokens,
         solved_at=e.solved_at,
+        tools=tools,
     )
 
 
@@ -164,7 +174,7 @@ def evaluate_checkpoint(cfg: Any, model: str | Path, out: str | Path | None = No
     from transformers import AutoTokenizer
 
     from rollverify.app.export import hf_weight_buckets
-    from rollverify.app.start import start_engine
+    from rollverify.app.start import build_tool_turns, start_engine
     from rollverify.tasks import get_task
     from rollverify.tasks.reward import task_reward
 
@@ -173,7 +183,8 @@ def evaluate_checkpoint(cfg: Any, model: str | Path, out: str | Path | None = No
         raise FileExistsError(f"--out {out} exists; give a new file name (results are never overwritten)")
     task = get_task(cfg.task.name, **cfg.task.options)
     tokenizer = AutoTokenizer.from_pretrained(model)
-    evaluator = build_evaluator(cfg, task, tokenizer, task_reward(task, cfg.task.reward))
+    tools = build_tool_turns(cfg, task, tokenizer)
+    evaluator = build_evaluator(cfg, task, tokenizer, task_reward(task, cfg.task.reward), tools)
     engine = start_engine(cfg, model, Path(tempfile.mkdtemp(prefix="rollverify-eval-")))  # server logs
     try:
         if cfg.rollout.endpoints:
@@ -181,6 +192,8 @@ def evaluate_checkpoint(cfg: Any, model: str | Path, out: str | Path | None = No
         metrics = evaluator.run(engine, tag="eval")
     finally:
         engine.close(shutdown=not cfg.rollout.endpoints)
+        if tools is not None:
+            tools.close()
     result = {"model": str(model), "n_samples": cfg.eval.n_samples, **metrics}
     if out is not None:
         Path(out).parent.mkdir(parents=True, exist_ok=True)

@@ -24,6 +24,41 @@ def resolve_model(cfg: RunConfig) -> Path:
     return path
 
 
+class TokenizerCodec:
+    """A Hugging Face tokenizer as the tool turns' `TextCodec` (special tokens are text both ways)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+
+def build_tool_turns(cfg: RunConfig, task, tokenizer):
+    """The tool turns of a multi-turn task (its `tool_registry()`, narrowed to `tools.names`), or None for a task
+    without tools; a name the task does not offer is a ConfigError naming the ones it does."""
+    from rollverify.environment.tools import ToolRegistry
+    from rollverify.sections import ConfigError
+    from rollverify.tool_turns import ToolTurns
+
+    offered = task.tool_registry() if hasattr(task, "tool_registry") else None
+    names = cfg.tools.names
+    if offered is None:
+        if names:
+            raise ConfigError(f"tools.names: task {cfg.task.name!r} offers no tools; set tools.names=[]")
+        return None
+    if names:
+        unknown = [n for n in names if offered.get(n) is None]
+        if unknown:
+            raise ConfigError(f"tools.names: task {cfg.task.name!r} offers no tool {unknown}; it offers "
+                              f"{offered.names()}")
+        offered = ToolRegistry([offered.get(n) for n in names])
+    return ToolTurns(cfg.tools, offered, TokenizerCodec(tokenizer))
+
+
 def start_trainer(cfg: RunConfig, model_path: Path, world_size: int | None = None):
     """The Megatron trainer of `cfg` on `model_path` (`world_size` ranks, default `trainer.world_size`): a
     `MegatronTrainer` in this process at world size 1, else a `TrainerProxy` over child-process ranks

@@ -24,6 +24,10 @@ MARKER = "rollverify_model.json"
 # Character-level vocabulary: every id decodes to exactly one token, so any id the model samples is printable.
 SPECIAL_TOKENS = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHARS = list(string.digits + string.ascii_letters + string.punctuation + " \n")
+# The Qwen3 chat template's tool-call tags, one token each as in Qwen3's own vocabulary (after the characters, so
+# no other id moves): generation stops at the `</tool_call>` token (rollverify.tool_turns).
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+VOCAB_VERSION = 2  # in the cache key: a model folder holds its tokenizer (2: the tool tokens)
 
 
 @dataclass(frozen=True)
@@ -49,7 +53,7 @@ class TinyModelSpec:
 
     def digest(self) -> str:
         """Names the cache entry; a warm-started model also hashes its recipe, so a new recipe remakes it."""
-        blob = json.dumps(asdict(self), sort_keys=True)
+        blob = json.dumps(asdict(self), sort_keys=True) + f"|vocab{VOCAB_VERSION}"
         if self.task is not None:
             from rollverify.app.warm_start import recipe_fingerprint
 
@@ -59,7 +63,7 @@ class TinyModelSpec:
 
 def vocabulary(vocab_size: int) -> list[str]:
     """Special tokens, printable characters, then reserved fillers up to `vocab_size`."""
-    base = SPECIAL_TOKENS + CHARS
+    base = SPECIAL_TOKENS + CHARS + TOOL_TOKENS
     if vocab_size < len(base):
         raise ValueError(f"vocab_size must be >= {len(base)} (special tokens + characters), got {vocab_size}")
     return base + [f"<|reserved_{i}|>" for i in range(vocab_size - len(base))]
@@ -75,6 +79,7 @@ def build_tokenizer(vocab_size: int):
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens([t for t in vocab if t.startswith("<|")])
+    tok.add_tokens(TOOL_TOKENS)  # whole tokens that decode as text, like Qwen3's
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|endoftext|>",

@@ -20,7 +20,7 @@ from rollverify.app.config import RunConfig, load_config
 from rollverify.app.console import Progress, quiet_cpu_warnings, say, stage
 from rollverify.app.evaluate import build_evaluator
 from rollverify.app.export import export_dir, export_trainer
-from rollverify.app.start import resolve_model, start_engine, start_trainer
+from rollverify.app.start import build_tool_turns, resolve_model, start_engine, start_trainer
 from rollverify.buffer import RolloutBuffer
 from rollverify.loop import Loop
 from rollverify.metrics import MetricsWriter
@@ -46,9 +46,12 @@ class Run:
         self.model_path = resolve_model(cfg)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.task = get_task(cfg.task.name, **cfg.task.options)
-        self.render = PromptRenderer(self.tokenizer, getattr(self.task, "chat_template", "auto"), source=self.model_path)
         self.score = task_reward(self.task, cfg.task.reward)
-        self.evaluator = build_evaluator(cfg, self.task, self.tokenizer, self.score) if cfg.eval.every else None
+        self.tools = build_tool_turns(cfg, self.task, self.tokenizer)  # None: a single-turn task
+        self.render = PromptRenderer(self.tokenizer, getattr(self.task, "chat_template", "auto"), source=self.model_path,
+                                     tools=self.tools.schemas() if self.tools else None)
+        self.evaluator = build_evaluator(cfg, self.task, self.tokenizer, self.score, self.tools) \
+            if cfg.eval.every else None
         self.cluster = None  # rollverify.app.cluster.RayCluster with cluster.launcher: ray
         self.plan = make_plan(cfg).check()
         # every GPU's holders, recorded where the run asks for the memory (rollverify.app.gpu_memory)
@@ -82,6 +85,7 @@ class Run:
             make_group=self.make_group,
             reward=self.reward,
             weights=weights,
+            tools=self.tools,
         )
 
     # --- wiring -------------------------------------------------------------------------------------------
@@ -176,6 +180,7 @@ class Run:
         tmp.mkdir(parents=True, exist_ok=True)
         from rollverify.app.handoff import CHECKPOINT_KINDS
 
+        self.loop.settle_tools()  # the buffer holds every call's output: none runs again after a restore
         with self._trainer_turn("checkpoint", CHECKPOINT_KINDS):
             self.trainer.save(str(tmp / "trainer"))
         self.loop.buffer.save(tmp / "buffer.npz")
@@ -199,6 +204,8 @@ class Run:
         self.loop.weights.push(self.loop.version)
 
     def close(self) -> None:
+        if self.tools is not None:
+            self.tools.close()
         try:
             self.trainer.close()
         finally:

@@ -41,6 +41,8 @@ class WarmStartRecipe:
 RECIPES: dict[str, WarmStartRecipe] = {
     "countdown": WarmStartRecipe(),
     "countdown_short": WarmStartRecipe(),
+    # turns of ~73 tokens (45 of them the policy's): fewer, shorter-batched steps than countdown's
+    "toolchain": WarmStartRecipe(steps=200, batch_size=16, micro_batch=8),
 }
 
 
@@ -71,13 +73,20 @@ def _encode(tokenizer, text: str) -> list[int]:
 
 
 def demonstration_batch(tokenizer, task, examples: list[Example]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded input ids and labels (-100 on prompt and padding) for prompt + demonstration + EOS."""
+    """Right-padded input ids and labels (-100 on prompt and padding) for prompt + demonstration + EOS; a
+    multi-turn task's environment parts (`demonstration_segments`: tool outputs) are inputs, never labels."""
     seqs, labs = [], []
     for ex in examples:
         p = _encode(tokenizer, ex.prompt)
-        r = _encode(tokenizer, task.demonstration(ex)) + [tokenizer.eos_token_id]
-        seqs.append(p + r)
-        labs.append([-100] * len(p) + r)
+        segments = task.demonstration_segments(ex) if hasattr(task, "demonstration_segments") else \
+            [(task.demonstration(ex), True)]
+        r, lab = [], []
+        for text, trained in segments:
+            ids = _encode(tokenizer, text)
+            r += ids
+            lab += ids if trained else [-100] * len(ids)
+        seqs.append(p + r + [tokenizer.eos_token_id])
+        labs.append([-100] * len(p) + lab + [tokenizer.eos_token_id])
     width = max(map(len, seqs))
     ids = torch.full((len(seqs), width), tokenizer.pad_token_id, dtype=torch.long)
     labels = torch.full((len(seqs), width), -100, dtype=torch.long)

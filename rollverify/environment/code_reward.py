@@ -86,14 +86,56 @@ os._exit(0)
 """
 
 
+STDIO_SETUP = r"""
+import io as __rv_io, sys as __rv_sys
+
+def __rv_stdio__(inp, expected):
+    out = __rv_io.StringIO()
+    saved = __rv_sys.stdin, __rv_sys.stdout
+    __rv_sys.stdin, __rv_sys.stdout = __rv_io.StringIO(inp), out
+    try:
+        exec(compile(__rv_src__, "solution.py", "exec"), {"__name__": "__main__"})
+    except SystemExit:
+        pass
+    finally:
+        __rv_sys.stdin, __rv_sys.stdout = saved
+    got = [line.strip() for line in out.getvalue().strip().splitlines()]
+    want = [line.strip() for line in expected.strip().splitlines()]
+    assert got == want, f"expected {want[:3]}, printed {got[:3]}"
+"""
+
+
 @dataclass(frozen=True)
 class CodeTests:
     """One problem's tests: `cases` are run one by one (each None case is filled in by `call`, HumanEval's
-    `check(entry_point)`, through the case hook); `setup` runs after the program and before the cases."""
+    `check(entry_point)`, through the case hook); `setup` runs after the program and before the cases.
+    `stdin_program`: the program is a script reading standard input (LiveCodeBench's stdin tests): it is not run
+    on its own, each case runs it afresh on its input and compares what it prints."""
 
     cases: tuple[str | None, ...]
     setup: str = ""
     call: str | None = None
+    stdin_program: bool = False
+
+    @classmethod
+    def stdio(cls, cases: Sequence[tuple[str, str]]) -> CodeTests:
+        """Input/expected-output pairs: the program's printed lines (stripped) must equal the expected ones."""
+        if not cases:
+            raise ValueError("stdin tests need at least one (input, output) pair")
+        return cls(cases=tuple(f"__rv_stdio__({i!r}, {o!r})" for i, o in cases), setup=STDIO_SETUP,
+                   stdin_program=True)
+
+    @classmethod
+    def functional(cls, func_name: str, cases: Sequence[tuple[str, str]]) -> CodeTests:
+        """LiveCodeBench's functional tests: each input line a JSON argument of `Solution().func_name`, the
+        output the JSON of its result."""
+        if not func_name.isidentifier() or not cases:
+            raise ValueError(f"functional tests need a method name and cases; got {func_name!r}, {len(cases)}")
+        calls = tuple(
+            f"assert Solution().{func_name}(*[__rv_json.loads(a) for a in {i!r}.strip().split(chr(10))]) "
+            f"== __rv_json.loads({o!r})" for i, o in cases
+        )
+        return cls(cases=calls, setup="import json as __rv_json")
 
     @classmethod
     def mbpp(cls, test_list: Sequence[str], test_setup_code: str = "") -> CodeTests:
@@ -164,7 +206,7 @@ def code_reward(
     nonce = secrets.token_hex(16)
     spec: dict[str, Any] = {
         "nonce": nonce,
-        "program": program,
+        "program": f"__rv_src__ = {program!r}" if tests.stdin_program else program,
         "setup": tests.setup,
         "cases": list(tests.cases),
         "call": tests.call,

@@ -93,6 +93,67 @@ class DriftModel:
         return (response.logprobs + gap).astype(np.float32)
 
 
+@dataclass(frozen=True)
+class ToolModel:
+    """Tool calls of a multi-turn workload (issue 28). A trajectory makes c calls, P(c) ~ (c + 1)^-alpha on
+    [0, max_calls] (0 max_calls: single-turn), spread evenly over its length; each call keeps it off the decode
+    batch (its KV kept) for a log-normal latency (median ``latency_median_s``, log-std ``latency_sigma``), a wait
+    that goes on while the engines are paused (a call in flight finishes during training). A cut before a call's
+    position cancels it; the trajectory calls again when it gets there."""
+
+    max_calls: int = 0
+    alpha: float = 1.2
+    latency_median_s: float = 5.0
+    latency_sigma: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.max_calls < 0 or self.latency_median_s < 0 or self.latency_sigma < 0:
+            raise ValueError("tools: max_calls, latency_median_s and latency_sigma must be >= 0")
+
+    def boundaries(self, seed: int, group_id: int, index: int, target: int) -> tuple[int, ...]:
+        """The units after which response (group_id, index) of `target` units calls a tool."""
+        if not self.max_calls or target < 2:
+            return ()
+        c = np.arange(self.max_calls + 1)
+        p = (c + 1.0) ** -self.alpha
+        n = int(np.random.default_rng([seed, group_id, index, 5]).choice(c, p=p / p.sum()))
+        return tuple(sorted({min(target - 1, max(1, round(target * (i + 1) / (n + 1)))) for i in range(n)}))
+
+    @classmethod
+    def fit(cls, rows: list[dict]) -> ToolModel:
+        """A tool model learnt from a real run's metrics (metrics.jsonl rows with `tools/*`): the latency's median
+        and log-std from the per-step median and p99 of the calls' seconds, the calls per trajectory's power law
+        from the trained trajectories' mean and largest turn counts (an on-policy run's: a carry-over run trains
+        the short ones first)."""
+        def vals(key: str) -> list[float]:
+            return [float(r[key]) for r in rows if isinstance(r.get(key), int | float) and math.isfinite(r[key])
+                    and r[key] > 0]
+
+        p50, p99, turns, top = vals("tools/tool_s_p50"), vals("tools/tool_s_p99"), vals("tools/turns_mean"), \
+            vals("tools/turns_max")
+        if not (p50 and p99 and turns and top):
+            raise ValueError("no tool metrics to learn from (tools/tool_s_p50, tool_s_p99, turns_mean, turns_max): "
+                             "give the run folder of a multi-turn run")
+        median = float(np.median(p50))
+        sigma = max(0.0, math.log(float(np.median(p99)) / median) / 2.326)  # p99 = median * exp(2.326 sigma)
+        max_calls, mean = int(max(top)), float(np.mean(turns))
+
+        def mean_calls(alpha: float) -> float:
+            c = np.arange(max_calls + 1)
+            w = (c + 1.0) ** -alpha
+            return float((c * w).sum() / w.sum())
+
+        lo, hi = -5.0, 10.0  # the mean falls as alpha grows: bisect for the run's mean
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if mean_calls(mid) > mean else (lo, mid)
+        return cls(max_calls=max_calls, alpha=round((lo + hi) / 2, 4), latency_median_s=median, latency_sigma=sigma)
+
+    def latency(self, seed: int, group_id: int, index: int, call: int) -> float:
+        z = np.random.default_rng([seed, group_id, index, call, 6]).standard_normal()
+        return self.latency_median_s * math.exp(self.latency_sigma * float(z))
+
+
 @dataclass
 class SimClock:
     """Simulated seconds since the start, and how they split over phases."""
@@ -117,6 +178,12 @@ class _Tracked:
     done: bool = False
     cache_server: int = -1  # server holding its prefilled KV under the current weights, -1 when none
     cached: int = 0  # real tokens of that KV (prompt + generated)
+    calls: tuple[int, ...] = ()  # the units after which it calls a tool (ToolModel)
+    wake: float | None = None  # waiting on a call: when it returns
+
+    def stop_at(self) -> int:
+        """Units at which its run ends: its next call, or its target."""
+        return next((b for b in self.calls if b > self.length), self.target)
 
 
 class SimEngine:
@@ -130,8 +197,12 @@ class SimEngine:
     LOGPROB = -1.0  # every sampled unit's engine log-prob; only gaps to it matter
 
     def __init__(self, cost: CostModel, workload: Workload, clock: SimClock, seed: int = 0, poll_s: float = 1.0,
-                 drift: DriftModel | None = None, total_steps: int = 1) -> None:
+                 drift: DriftModel | None = None, total_steps: int = 1, tools: ToolModel | None = None) -> None:
         self.cost, self.workload, self.clock, self.seed = cost, workload, clock, seed
+        self.tools = tools or ToolModel()
+        self.tool_calls = 0  # calls made (a cut call made again counts again)
+        self.tool_s = 0.0  # seconds of those calls
+        self.tool_idle_s = 0.0  # rollout seconds in which every live sequence waited on a call
         self.drift, self.total_steps = drift, total_steps
         self.poll_s = poll_s  # one wait_finished returns every finish within poll_s of the first
         self.servers = cost.cluster.servers
@@ -165,7 +236,7 @@ class SimEngine:
         load = np.bincount(self.srv[self.active], minlength=self.servers)
         server = int(np.argmin(load)) if t.cache_server < 0 else t.cache_server
         context = t.prompt + t.length * self.unit
-        self.srv[slot], self.rem[slot], self.ctx[slot], self.active[slot] = server, t.target - t.length, context, True
+        self.srv[slot], self.rem[slot], self.ctx[slot], self.active[slot] = server, t.stop_at() - t.length, context, True
         self.slot_rid[slot], t.slot = rid, slot
         prefill = self.cost.prefill(context) - self.cost.prefill(min(t.cached, context))  # the radix cache's prefix
         t.cache_server, t.cached = -1, 0
@@ -173,7 +244,7 @@ class SimEngine:
         self.prefill_s += prefill
 
     def _release(self, t: _Tracked) -> None:
-        t.length = t.target - int(self.rem[t.slot])
+        t.length = t.stop_at() - int(self.rem[t.slot])
         self.active[t.slot] = False
         self.slot_rid[t.slot] = None
         self.free.append(t.slot)
@@ -187,7 +258,44 @@ class SimEngine:
 
     def _step(self, limit: float = math.inf) -> list[str]:
         """Advance to the next moment a running sequence finishes, or by ``limit`` seconds if that comes first;
-        return the ids of the responses that finished."""
+        return the ids of the responses that finished. A sequence that reaches a tool call leaves the batch until
+        the call returns; nothing running, the clock jumps to the first return."""
+        wakes = [t.wake for t in self.tracked.values() if t.wake is not None]
+        if wakes:
+            limit = min(limit, max(0.0, min(wakes) - self.clock.now))
+        if not self.active.any():
+            dt = limit if math.isfinite(limit) else 0.0
+            self.clock.advance(dt, "rollout")
+            self.tool_idle_s += dt
+            self._wake()
+            return []
+        done = self._decode(limit)
+        finished = []
+        for rid in done:
+            t = self.tracked[rid]
+            if t.stop_at() < t.target:  # it reached a tool call: off the batch, its KV kept
+                server, context = int(self.srv[t.slot]), float(self.ctx[t.slot])
+                self._release(t)
+                t.cache_server, t.cached = server, int(context)
+                latency = self.tools.latency(self.seed, t.group_id, t.index, t.calls.index(t.length))
+                t.wake = self.clock.now + latency
+                self.tool_calls += 1
+                self.tool_s += latency
+            else:
+                finished.append(rid)
+        self._wake()
+        return finished
+
+    def _wake(self) -> None:
+        """Responses whose call returned go back on the batch (not while paused)."""
+        if self.paused:
+            return
+        for rid, t in self.tracked.items():
+            if t.wake is not None and t.wake <= self.clock.now + 1e-9:
+                t.wake = None
+                self._admit(rid, t)
+
+    def _decode(self, limit: float) -> list[str]:
         act = np.flatnonzero(self.active)
         srv, u = self.srv[act], self.unit
         b = np.bincount(srv, minlength=self.servers).astype(np.float64)
@@ -223,16 +331,22 @@ class SimEngine:
                 raise ValueError(f"response {rid} is already on the engine")
             target = max(self.workload.units(self.seed, r.group_id, r.index), r.num_tokens + 1)
             target = min(target, r.max_new_tokens)
-            t = _Tracked(r.group_id, r.index, len(r.prompt_ids), target, r.num_tokens, r.num_tokens)
+            t = _Tracked(r.group_id, r.index, len(r.prompt_ids), target, r.num_tokens, r.num_tokens,
+                         calls=self.tools.boundaries(self.seed, r.group_id, r.index, target))
             self.tracked[rid] = t
             self._admit(rid, t)
 
+    def _live(self) -> bool:
+        return bool(self.active.any()) or any(t.wake is not None for t in self.tracked.values())
+
     def wait_finished(self, timeout: float) -> list[Chunk]:
-        if self.paused or not self.active.any():
+        if self.paused or not self._live():
             return []
-        out = self._finish(self._step())  # block until the first finish, then collect those of the next poll_s
+        out: list[Chunk] = []
+        while not out and self._live():  # block until the first finish, then collect those of the next poll_s
+            out = self._finish(self._step())
         deadline = self.clock.now + self.poll_s
-        while self.active.any() and deadline - self.clock.now > 1e-6:
+        while self._live() and deadline - self.clock.now > 1e-6:
             out += self._finish(self._step(deadline - self.clock.now))
         return out
 
@@ -253,6 +367,8 @@ class SimEngine:
             if t.slot >= 0:
                 self._release(t)
                 out.append(self._chunk(rid, t, None))
+            elif t.wake is not None and t.length > t.reported:  # its turn up to the call it waits on
+                out.append(self._chunk(rid, t, None))
         self.credit[:] = 0.0  # colocated: the KV cache is released for training
         for t in self.tracked.values():
             t.cache_server, t.cached = -1, 0
@@ -263,6 +379,8 @@ class SimEngine:
             t = self.tracked[rid]
             if t.slot >= 0:
                 raise RuntimeError(f"truncate of {rid} while it runs: pause the engine first")
+            if t.wake is not None and int(k) < t.length:  # the call was cut: it is made again when reached
+                t.wake = None
             t.length = t.reported = int(k)
             t.done = False
 
@@ -279,8 +397,9 @@ class SimEngine:
     def release(self, response_ids: Iterable[str]) -> None:
         for rid in response_ids:
             t = self.tracked[rid]
-            if not t.done and t.slot < 0:
+            if not t.done and t.slot < 0 and t.wake is None:
                 self._admit(rid, t)  # prompt + kept tokens prefill again under the new weights (or reuse its KV)
+        self._wake()
 
     def update_weights(self, buckets: Iterator[list[tuple[str, object]]], version: int) -> None:
         for _ in buckets:

@@ -15,7 +15,7 @@ import numpy as np
 
 from rollverify.loop import Loop, RolloutConfig
 from rollverify.sim.cost import GPUS, ClusterSpec, CostModel, ModelSpec
-from rollverify.sim.engine import DriftModel, SimClock, SimEngine, SimTrainer, Workload
+from rollverify.sim.engine import DriftModel, SimClock, SimEngine, SimTrainer, ToolModel, Workload
 from rollverify.strategies import VERIFY_ON, AlgoConfig
 from rollverify.types import Group
 
@@ -39,6 +39,7 @@ class SimConfig:
     cluster: ClusterSpec = field(default_factory=ClusterSpec)
     workload: Workload = field(default_factory=Workload)
     drift: DriftModel = field(default_factory=DriftModel)
+    tools: ToolModel = field(default_factory=ToolModel)  # tool calls per trajectory and their latency
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     batch_groups: int = 128
     n: int = 8
@@ -65,6 +66,9 @@ class RunResult:
     prefill_share: float  # of the rollout server-time: admissions' and (engine) the verification's prefill
     verify_share: float  # of the step: the trainer's verification forward (engine: none, its prefill is rollout)
     on_policy_longest_share: float  # on_policy: rollout time / time to decode the longest response alone
+    tool_calls_per_step: float = 0.0  # tool calls made per step (ToolModel)
+    tool_s_per_step: float = 0.0  # their latency summed
+    tool_idle_share: float = 0.0  # of the rollout time: every live sequence waited on a call
 
     def row(self) -> dict:
         return asdict(self)
@@ -75,7 +79,7 @@ def simulate(mode: str, context: int, cfg: SimConfig) -> RunResult:
     workload = replace(cfg.workload, context=context)
     cost = CostModel(cfg.model, cfg.cluster)
     clock = SimClock()
-    engine = SimEngine(cost, workload, clock, cfg.seed, drift=cfg.drift, total_steps=cfg.steps)
+    engine = SimEngine(cost, workload, clock, cfg.seed, drift=cfg.drift, total_steps=cfg.steps, tools=cfg.tools)
     trainer = SimTrainer(cost, cfg.drift, clock, workload.token_unit, cfg.steps, cfg.seed)
     batch = cfg.batch_groups * cfg.n
     rollout = RolloutConfig(
@@ -122,6 +126,9 @@ def simulate(mode: str, context: int, cfg: SimConfig) -> RunResult:
         prefill_share=(engine.prefill_s + engine.verify_prefill_s) / rollout_server_s if rollout_server_s else 0.0,
         verify_share=clock.spent.get("verify", 0.0) / clock.now,
         on_policy_longest_share=float(np.mean(longest)) if longest else math.nan,
+        tool_calls_per_step=engine.tool_calls / cfg.steps,
+        tool_s_per_step=engine.tool_s / cfg.steps,
+        tool_idle_share=engine.tool_idle_s / clock.spent["rollout"] if clock.spent.get("rollout") else 0.0,
     )
 
 
@@ -142,7 +149,9 @@ def run_all(cfg: SimConfig, contexts=CONTEXTS, modes=MODES, log=print) -> dict:
             results[context][mode] = r
             log(f"  {context // 1024:>3}K {mode:<10} {r.gpu_days:8.1f} GPU-days  step {r.step_s_mean:7.1f} s  "
                 f"verify {r.verify_share:5.1%} of it  acceptance {r.acceptance_mean:.3f}  switched at {r.switched_at}  "
-                f"({time.perf_counter() - start:.1f} s to simulate)")
+                + (f"tools {r.tool_calls_per_step:.0f} calls {r.tool_s_per_step:.0f} s/step, all waiting "
+                   f"{r.tool_idle_share:.1%} of rollout  " if r.tool_calls_per_step else "")
+                + f"({time.perf_counter() - start:.1f} s to simulate)")
     return {"config": _config_dict(cfg), "results": results, "comparison": compare(results)}
 
 
@@ -238,6 +247,16 @@ def cli_main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--verify-on", default="trainer", choices=VERIFY_ON,
                    help="where rollverify's new log-probs come from: a trainer forward, or the engines' prefill")
+    p.add_argument("--tool-calls", type=int, default=0, metavar="N",
+                   help="multi-turn: at most N tool calls per trajectory, P(c) ~ (c+1)^-alpha (0: single-turn)")
+    p.add_argument("--tool-alpha", type=float, default=ToolModel.alpha, help="the calls' power law (default 1.2)")
+    p.add_argument("--tool-latency", type=float, default=ToolModel.latency_median_s, metavar="S",
+                   help="median seconds of one call (log-normal; default 5)")
+    p.add_argument("--tool-sigma", type=float, default=ToolModel.latency_sigma,
+                   help="log-std of a call's latency (default 1: p99 ~10x the median)")
+    p.add_argument("--tools-from", default=None, metavar="RUN",
+                   help="learn the tool model from a multi-turn run's folder (its metrics.jsonl: the calls' median "
+                   "and p99 seconds, turns per trajectory) instead of the --tool-* values")
     p.add_argument("--force", action="store_true", help="replace an earlier simulate.json / simulate.png in --out")
     a = p.parse_args(argv)
     out = Path(a.out)
@@ -249,14 +268,27 @@ def cli_main(argv: list[str] | None = None) -> int:
             raise ValueError(f"{written[0]} exists; pass --force to replace it or choose another --out")
         for c in a.contexts:
             Workload(context=c)
+        tools = ToolModel(max_calls=a.tool_calls, alpha=a.tool_alpha, latency_median_s=a.tool_latency,
+                          latency_sigma=a.tool_sigma)
+        if a.tools_from is not None:
+            from rollverify.metrics import load_metrics
+
+            if not (Path(a.tools_from) / "metrics.jsonl").is_file():
+                raise ValueError(f"--tools-from {a.tools_from}: no metrics.jsonl there (a run folder?)")
+            tools = ToolModel.fit(load_metrics(a.tools_from))
+            a.tool_calls, a.tool_alpha = tools.max_calls, tools.alpha
+            a.tool_latency, a.tool_sigma = tools.latency_median_s, tools.latency_sigma
         cfg = SimConfig(cluster=ClusterSpec(gpu=a.gpu, gpus=a.gpus, tp=a.tp), steps=a.steps, seed=a.seed,
-                        algo=AlgoConfig(verify_on=a.verify_on))
+                        algo=AlgoConfig(verify_on=a.verify_on), tools=tools)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
     print(f"simulating {a.steps} steps per run: {len(a.contexts)} context limits x {len(a.modes)} modes; "
           + VERIFY_WHERE[a.verify_on])
+    if a.tool_calls:
+        print(("learnt from " + a.tools_from + ": " if a.tools_from else "") + f"tool use: up to {a.tool_calls} calls per trajectory (P(c) ~ (c+1)^-{a.tool_alpha}), each "
+              f"{a.tool_latency:g} s median (log-normal, sigma {a.tool_sigma:g})")
     report = run_all(cfg, a.contexts, a.modes)
     report["results"] = {str(c): {m: r.row() for m, r in by.items()} for c, by in report["results"].items()}
     print(table(report["comparison"]))

@@ -14,9 +14,12 @@ from collections.abc import Callable
 from typing import Any
 
 from rollverify.tasks.base import SPLITS, Example, Task, TaskBase, hash_fraction, stable_uid
+from rollverify.tasks.code import CodeTask
 from rollverify.tasks.count import CountdownTask
 from rollverify.tasks.data import FileTask, load_prompt_file
 from rollverify.tasks.math import extract_answer, math_equal, math_reward, normalize_answer
+from rollverify.tasks.retool import RetoolTask
+from rollverify.tasks.toolchain import ToolChainTask
 
 _REGISTRY: dict[str, Callable[..., Task]] = {}
 _SYNTHETIC: set[str] = set()
@@ -74,14 +77,23 @@ register_task("countdown", CountdownTask, synthetic=True)
 # Same task with at most 16 terms (responses <= 70 tokens): for engine and loop tests that must be quick.
 register_task("countdown_short", functools.partial(CountdownTask, name="countdown_short", k_max=16), synthetic=True)
 register_task("math", FileTask)
+# The multi-turn tool task: walk a hidden chain with the `next` tool, one call per turn (long-tailed turns).
+register_task("toolchain", ToolChainTask, synthetic=True)
+# ReTool-style math: prompt files with the sandboxed Python tool (code interpreter) and the math reward.
+register_task("retool", RetoolTask)
+# Code generation: HumanEval / MBPP / LiveCodeBench files (tools/prepare_data.py), rewarded by their tests.
+register_task("code", CodeTask)
 
 __all__ = [
     "SPLITS",
+    "CodeTask",
     "CountdownTask",
     "Example",
     "FileTask",
     "Task",
+    "RetoolTask",
     "TaskBase",
+    "ToolChainTask",
     "extract_answer",
     "get_task",
     "hash_fraction",

@@ -71,6 +71,11 @@ class TaskBase:
     def reward(self, prompt: str, response: str, label: str) -> float:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def tool_registry(self):
+        """The tools a multi-turn task's policy may call (a `rollverify.environment.tools.ToolRegistry`), or None:
+        single-turn."""
+        return None
+
 
 def check_split(split: str) -> None:
     if split not in SPLITS:

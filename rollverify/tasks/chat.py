@@ -42,8 +42,10 @@ def has_chat_template(model_dir: str | Path) -> bool:
 class PromptRenderer:
     """Renders examples for one tokenizer under one `chat_template` setting."""
 
-    def __init__(self, tokenizer: Any, chat_template: Any = "auto", *, source: str | Path | None = None) -> None:
+    def __init__(self, tokenizer: Any, chat_template: Any = "auto", *, source: str | Path | None = None,
+                 tools: list[dict] | None = None) -> None:
         self.tokenizer = tokenizer
+        self.tools = tools or None  # a multi-turn task's tool schemas: the template lists them (`# Tools`)
         self.mode = check_chat_template(chat_template)
         self.has_template = bool(getattr(tokenizer, "chat_template", None))
         if self.mode is True and not self.has_template:
@@ -63,7 +65,8 @@ class PromptRenderer:
         if not self.uses_template(ex):
             return ex.prompt
         messages = list(ex.messages) if ex.messages is not None else [{"role": "user", "content": ex.prompt}]
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        kw = {"tools": self.tools} if self.tools else {}
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kw)
 
     def ids(self, ex: Example) -> list[int]:
         """Token ids of `text(ex)`; the template already holds its special tokens, so none are added."""

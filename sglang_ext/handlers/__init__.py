@@ -1,4 +1,4 @@
-"""The server's request handlers, one module per group of jobs: `generation` (submit, pause, resume, truncate, drop, events,
+"""The server's request handlers, one module per group of jobs: `generation` (submit, pause, resume, truncate, append, drop, events,
 fetch; `submit` reads and checks a submit), `weights` (update_weights, update_weights_from_disk, flush),
 `transport` (weights_group, update_weights_distributed, update_weights_ipc, memory), `logprobs`
 (compute_logprobs), `admin` (stats, weights, health, shutdown).

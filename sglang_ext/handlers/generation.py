@@ -1,9 +1,11 @@
-"""Generation handlers: submit, pause, resume, truncate, drop (commands) and events, fetch (queries)."""
+"""Generation handlers: submit, pause, resume, truncate, append, drop (commands) and events, fetch (queries)."""
 
 from __future__ import annotations
 
 import time
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from sglang_ext.dispatch import Handler, Reply
 from sglang_ext.handlers.submit import (
@@ -14,6 +16,7 @@ from sglang_ext.handlers.submit import (
     read_arrays,
 )
 from sglang_ext.protocol import (
+    AppendBody,
     DropBody,
     ErrorCode,
     EventsBody,
@@ -43,6 +46,7 @@ class GenerationHandlers:
             "pause": self.pause,
             "resume": self.resume,
             "truncate": self.truncate,
+            "append": self.append,
             "drop": self.drop,
             "events": self.events,
             "fetch": self.fetch,
@@ -138,6 +142,44 @@ class GenerationHandlers:
                 if not recs.paused:
                     recs.launch(rec)
         return {"truncated": len(targets), "tokens_cut": cut, "revived": revived}, None, None
+
+    async def append(self, body: AppendBody, msg: Message) -> Reply:
+        """Append environment tokens to responses that are not generating (a finished one, stopped at a tool call,
+        becomes live) and continue them: launched at once unless the server is paused, `launch` is false, or the
+        engine holds a half-loaded version. All-or-nothing: every check passes before anything changes."""
+        recs = self.records
+        rids = [it.rid for it in body.items]
+        if len(set(rids)) != len(rids):
+            raise ProtocolError(ErrorCode.INVALID, "append names a response twice; nothing was changed")
+        targets = recs.lookup(rids)
+        recs.require_not_running(targets, "append")
+        ids = msg.array("token_ids", ["int32"], 1)
+        counts = [it.count for it in body.items]
+        if len(ids) != sum(counts):
+            raise ProtocolError(ErrorCode.INVALID, f"token_ids has {len(ids)} ids but the items' counts sum to "
+                                f"{sum(counts)}; nothing was changed")
+        vocab = self.server.info.vocab_size
+        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+            raise ProtocolError(ErrorCode.INVALID, f"token_ids holds ids outside [0, {vocab}); nothing was changed")
+        ctx = getattr(self.server.engine, "context_len", 0)
+        for rec, k in zip(targets, counts, strict=True):
+            if len(rec) + k >= rec.max_new_tokens or (ctx and len(rec.prompt) + len(rec) + k >= ctx):
+                raise ProtocolError(
+                    ErrorCode.INVALID,
+                    f"response {rec.rid}: {k} environment tokens after its {len(rec)} leave no token of its budget "
+                    f"{rec.max_new_tokens} (or reach the context length {ctx}) to continue; nothing was changed",
+                    {"rids": [rec.rid]},
+                )
+        if body.launch and not recs.paused:
+            recs.require_whole_weights("append")
+        offsets = np.cumsum([0, *counts])
+        launched = []
+        for i, rec in enumerate(targets):
+            rec.append_environment(ids[offsets[i] : offsets[i + 1]])
+            if body.launch and not recs.paused:
+                recs.launch(rec)
+                launched.append(rec.rid)
+        return {"appended": len(targets), "tokens": int(offsets[-1]), "launched": launched}, None, None
 
     async def drop(self, body: DropBody, msg: Message) -> Reply:
         recs = self.records

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sglang_ext.protocol import ErrorCode, Message, ProtocolError, SubmitBody, SubmitItem
+from sglang_ext.protocol import ENV_VERSION, ErrorCode, Message, ProtocolError, SubmitBody, SubmitItem
 from sglang_ext.store import Record, RouteShape, new_record
 
 
@@ -49,9 +49,10 @@ def read_arrays(
     for k, arr in (("prefix_logprobs", logprobs), ("prefix_versions", versions)):
         if arr is not None and len(arr) != nx:
             raise ProtocolError(ErrorCode.INVALID, f"{k} has {len(arr)} entries, prefix_ids {nx}")
-    if versions is not None and len(versions) and int(versions.min()) < -1:
+    if versions is not None and len(versions) and int(versions.min()) < ENV_VERSION:
         raise ProtocolError(
-            ErrorCode.INVALID, f"prefix_versions holds {int(versions.min())}; versions are -1 (unknown) or >= 0"
+            ErrorCode.INVALID, f"prefix_versions holds {int(versions.min())}; versions are -2 (an environment "
+            "token), -1 (unknown) or >= 0"
         )
     prefix_routes = _routes(msg, "prefix_routed_experts", nx, route_shape, num_experts)
     prompt_routes = _routes(msg, "prompt_routed_experts", sum(plens) - len(plens), route_shape, num_experts)
