@@ -51,7 +51,7 @@ RUN = [
     "log.plots=false",
     "log.export_final=false",
     "trainer.dist_timeout_s=60",
-    "trainer.call_timeout_s=120",
+    "trainer.call_timeout_s=300",  # a silent rank (a dead one is noticed at once); start-up on a loaded machine
     "rollout.server_timeout_s=60",
 ]
 
@@ -110,14 +110,20 @@ def read_faults(out: Path) -> list[dict]:
     return rows
 
 
-def schedule(seed: int, steps: int, counts: dict[str, int]) -> list[dict]:
-    """(trigger step, kind, delay in steps) for every fault, seeded; one fault per trigger step."""
+def schedule(seed: int, steps: int, counts: dict[str, int], checkpoint_every: int) -> list[dict]:
+    """(trigger step, kind, delay in steps) for every fault, seeded; one fault per trigger step, the disk filled
+    early enough that a later checkpoint (the last step's) is written again."""
     rng = random.Random(seed)
     kinds = [k for k in KINDS for _ in range(counts[k])]
     rng.shuffle(kinds)
     if len(kinds) > steps - 3:
         raise SystemExit(f"{len(kinds)} faults do not fit in {steps} steps (one per step, from step 2)")
     at = sorted(rng.sample(range(2, steps - 1), len(kinds)))
+    if "fill" in kinds and at[kinds.index("fill")] > steps - 2 * checkpoint_every:
+        i, j = kinds.index("fill"), 0  # swap it with the first fault
+        kinds[i], kinds[j] = kinds[j], kinds[i]
+        if at[0] > steps - 2 * checkpoint_every:
+            raise SystemExit(f"--steps {steps} leaves no room to fill the disk before the last two checkpoints")
     return [{"step": s, "kind": k, "delay": rng.random()} for s, k in zip(at, kinds, strict=True)]
 
 
@@ -133,6 +139,7 @@ class Chaos:
         self.seen_pids: set[int] = set()
         self.mounted = False
         self.step_s = 0.5
+        self.retries = 0  # resumes started again because the server did not start
 
     # --- processes ----------------------------------------------------------------------------------------
 
@@ -174,8 +181,13 @@ class Chaos:
         self.tree()
         self.reap()
         if self.driver is not None and self.driver.poll() not in (None, 0):
-            raise SystemExit(f"the driver exited with code {self.driver.returncode}; see "
-                             f"{self.out.parent / f'{self.out.name}.driver{self.drivers - 1}.log'}")
+            log = self.out.parent / f"{self.out.name}.driver{self.drivers - 1}.log"
+            if self.driver.returncode == 3 and self.retries < 2:  # its SGLang server did not start (memory)
+                self.retries += 1
+                self.events.append({"kind": "retry", "time": time.time(), "reason": f"server start failed ({log})"})
+                self.start_driver(resume=True)
+                return self.poll()
+            raise SystemExit(f"the driver exited with code {self.driver.returncode}; see {log}")
         return step
 
     # --- faults -------------------------------------------------------------------------------------------
@@ -191,6 +203,8 @@ class Chaos:
         time.sleep(ev["delay"] * self.step_s)
         rec = {**ev, "at_step": self.last_step()}
         kind = ev["kind"]
+        if self.driver.poll() is not None:
+            return {**rec, "skipped": "the run had finished"}
         if kind in ("server", "rank"):
             marker = "sglang_ext.server" if kind == "server" else "spawn_main"
             deadline = time.monotonic() + 120
@@ -244,7 +258,7 @@ class Chaos:
         deadline = time.monotonic() + 600
         while len([f for f in read_faults(self.out) if f["kind"] == "checkpoint"]) == len(before):
             self.poll()
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline or self.driver.poll() is not None:
                 break
             time.sleep(0.05)
         filler.unlink()
@@ -261,10 +275,20 @@ class Chaos:
             self.mounted = r.returncode == 0
 
     def unmount(self) -> None:
-        if self.mounted:
-            r = subprocess.run(["umount", "-l", str(self.out / "checkpoints")], capture_output=True, text=True)
-            if r.returncode:
-                print(f"warning: umount {self.out / 'checkpoints'}: {r.stderr.strip()}", file=sys.stderr)
+        """The tmpfs goes; what it holds (the run's checkpoint) moves onto the run folder's own disk first."""
+        if not self.mounted:
+            return
+        d = self.out / "checkpoints"
+        keep = self.out.parent / f"{self.out.name}.checkpoints.tmp"
+        shutil.rmtree(keep, ignore_errors=True)
+        shutil.copytree(d, keep, symlinks=True)
+        r = subprocess.run(["umount", "-l", str(d)], capture_output=True, text=True)
+        if r.returncode:
+            print(f"warning: umount {d}: {r.stderr.strip()}", file=sys.stderr)
+            return
+        for entry in keep.iterdir():
+            entry.rename(d / entry.name)
+        keep.rmdir()
 
     def run(self) -> dict:
         if self.out.exists() and any(self.out.iterdir()):
@@ -272,7 +296,7 @@ class Chaos:
         if self.a.endpoint and self.a.servers:
             raise SystemExit("--endpoint: the run does not launch its server, so --servers must be 0")
         counts = {"server": self.a.servers, "rank": self.a.ranks, "driver": self.a.drivers, "fill": self.a.fill}
-        plan = schedule(self.a.seed, self.a.steps, counts)
+        plan = schedule(self.a.seed, self.a.steps, counts, self.a.checkpoint_every)
         self.mount()
         t0 = time.time()
         try:
