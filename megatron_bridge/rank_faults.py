@@ -1,7 +1,8 @@
-"""Rank-side process hygiene and the fault-injection test hook, shared by both launchers' rank processes.
+"""Rank-side process hygiene and the fault-injection test hook, shared by both launchers' rank processes. This
+module imports only the standard library, so a rank process runs it before anything heavy.
 
-`watch_parent`: a local rank process exits when the driver that started it is gone (a SIGKILLed driver leaves no
-rank behind). A thread polls the parent pid, because `PR_SET_PDEATHSIG` fires when the *thread* that forked the
+`watch_parent` (`rank_process` starts it first): a local rank process exits when the driver that started it is
+gone (a SIGKILLed driver leaves no rank behind). A thread polls the parent pid, because `PR_SET_PDEATHSIG` fires when the *thread* that forked the
 child exits, not the process, and the driver may start ranks from any thread.
 
 `arm`: the documented test hook. With `ROLLVERIFY_RANK_FAULTS` naming a JSON file, a rank SIGKILLs itself where
@@ -40,6 +41,16 @@ def watch_parent(interval_s: float = 0.5) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="rollverify-parent-watch", daemon=True).start()
+
+
+def rank_process(*args: Any) -> None:
+    """A local rank process's target (megatron_bridge.spawned.PipeRanks): the parent watchdog first, before
+    torch and Megatron-Core are imported (a minute on a loaded machine, during which a dead driver would
+    otherwise go unnoticed), then the rank's loop (`megatron_bridge.spawned.rank_loop`)."""
+    watch_parent()
+    from megatron_bridge.spawned import rank_loop
+
+    rank_loop(*args)
 
 
 def fired_path(spec: str | os.PathLike, index: int) -> Path:

@@ -7,8 +7,8 @@ driver's sink, so the sink object (an SGLang client, a disk folder) stays in the
 re-raised in the driver with its traceback; a rank that dies or stalls past `timeout_s` fails the call instead
 of hanging it, as `RankFailure`. The driver waits on every rank's pipe and process at once, so a rank's death is
 seen within milliseconds even while the others are blocked in a collective with it (they are killed at `close`).
-A rank process exits when the driver is gone (`rank_faults.watch_parent`). `start_rank` and `run_call` are the
-rank side that both launchers' rank processes share.
+A rank process exits when the driver is gone (`rank_faults.rank_process` watches it first). `start_rank` and
+`run_call` are the rank side that both launchers' rank processes share.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 from megatron_bridge.config import TrainerConfig
 from megatron_bridge.parallel import free_port
 from megatron_bridge.proxy import RankFailure, TrainerProxy
-from megatron_bridge.rank_faults import arm, watch_parent
+from megatron_bridge.rank_faults import arm, rank_process
 
 
 def _pack(bucket: list[tuple[str, torch.Tensor]]) -> tuple[str, bytes]:
@@ -98,9 +98,9 @@ def run_call(trainer, rank: int, method: str, args: tuple, kwargs: dict, sink) -
     return result if rank == 0 else None
 
 
-def _worker(rank: int, world_size: int, port: int, model_path: str, cfg: TrainerConfig, dtype: str, seed: int,
-            conn, threads: int, setup: RankSetup | None) -> None:
-    watch_parent()
+def rank_loop(rank: int, world_size: int, port: int, model_path: str, cfg: TrainerConfig, dtype: str, seed: int,
+              conn, threads: int, setup: RankSetup | None) -> None:
+    """One local rank process: its trainer, then the driver's calls over `conn` until close or EOF."""
     try:
         trainer = start_rank(rank, world_size, ("127.0.0.1", port), model_path, cfg, dtype, seed, threads,
                              setup=setup)
@@ -149,7 +149,7 @@ class PipeRanks:
             parent, child = ctx.Pipe()
             # not daemonic: a rank starts processes of its own (Megatron-Core's checkpoint writers); a rank whose
             # driver is gone reads EOF on its pipe and exits, and `close` runs at the driver's exit (atexit)
-            p = ctx.Process(target=_worker, daemon=False,
+            p = ctx.Process(target=rank_process, daemon=False,
                             args=(r, world_size, port, str(model_path), cfg, dtype, seed, child, threads, setup))
             p.start()
             child.close()

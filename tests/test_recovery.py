@@ -258,3 +258,32 @@ def test_a_rank_that_dies_while_the_new_ranks_start_counts_as_the_next_fault(tmp
     assert sup.restarts == 2 and len(calls) == 2
     faults = [json.loads(line) for line in (tmp_path / "faults.jsonl").read_text().splitlines()]
     assert faults[0]["restart_failed"].startswith("trainer rank 1 died in start") and faults[1]["phase"] == "start-up"
+
+
+SERVER_GUARD = textwrap.dedent("""
+    import subprocess, sys, time
+    code = ("import os, sys, time; from sglang_ext.server import guard_parent; "
+            "guard_parent(int(sys.argv[1]), grace_s=5.0); time.sleep(120)")
+    p = subprocess.Popen([sys.executable, "-c", code, str(__import__("os").getpid())])
+    print(p.pid, flush=True)
+    time.sleep(120)
+""")
+
+
+def test_a_server_still_starting_exits_when_its_launcher_dies(tmp_path):
+    """`rollverify serve --exit-with-parent --parent-pid P` watches P from its first moments (a thread, while
+    SGLang starts and blocks the event loop): the launcher's death ends it (SIGTERM, then SIGKILL)."""
+    import psutil
+
+    launcher = subprocess.Popen([sys.executable, "-c", SERVER_GUARD], stdout=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        server = psutil.Process(int(launcher.stdout.readline()))
+        time.sleep(1.0)
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait(10)
+        server.wait(timeout=30)
+    finally:
+        launcher.kill()
+        with contextlib.suppress(psutil.NoSuchProcess, UnboundLocalError):
+            server.kill()
