@@ -7,8 +7,8 @@ child exits, not the process, and the driver may start ranks from any thread.
 
 `arm`: the documented test hook. With `ROLLVERIFY_RANK_FAULTS` naming a JSON file, a rank SIGKILLs itself where
 the file says: a list of `{"rank": r, "method": name, "call": n, "step": k, "after_s": s}` (`method`: any
-attribute of the `MegatronTrainer`, public like `train_step`, `compute_logprobs`, `iter_hf_tensors` (the local
-launcher's weight push), `save_checkpoint`, or internal like `_logprobs` (the old-log-prob pass inside
+attribute of the `MegatronTrainer`, public like `train_step`, `compute_logprobs`, `sync_weights` (the weight
+push through the driver; the driver names its call `iter_hf_tensors`), `save_checkpoint`, or internal like `_logprobs` (the old-log-prob pass inside
 `train_step`, and the verification forward) and `_loss_pass` (forward/backward); `call`: its n-th call in this
 rank process, default 1; `step`: instead, its first call while the trainer has made k optimizer steps (the loop's
 step k+1 trains at k, verifies and pushes at k+1; the checkpoint of step k is written at k); `after_s`: die that

@@ -287,7 +287,7 @@ def test_a_rank_killed_in_every_phase_restarts_from_the_checkpoint_and_logs_each
         {"rank": 1, "method": "_logprobs", "step": 0},  # step 1's old-log-prob pass; no checkpoint yet
         {"rank": 0, "method": "_loss_pass", "step": 2},  # step 3's forward/backward
         {"rank": 1, "method": "compute_logprobs", "step": 4},  # step 4's verification forward
-        {"rank": 0, "method": "iter_hf_tensors", "step": 5},  # step 5's weight push
+        {"rank": 0, "method": "sync_weights", "step": 5},  # step 5's weight push
         {"rank": 1, "method": "save_checkpoint", "step": 6},  # the checkpoint of step 6
     ]
     spec = tmp_path / "faults.json"
@@ -299,7 +299,7 @@ def test_a_rank_killed_in_every_phase_restarts_from_the_checkpoint_and_logs_each
     records = [json.loads(line) for line in (out / "faults.jsonl").read_text().splitlines()]
     trainer = [f for f in records if f["kind"] == "trainer"]
     assert [(f["rank"], f["method"]) for f in trainer] == [
-        (1, "train_step"), (0, "train_step"), (1, "compute_logprobs"), (0, "iter_hf_tensors"),
+        (1, "train_step"), (0, "train_step"), (1, "compute_logprobs"), (0, "iter_hf_tensors"),  # the push's call
         (1, "save_checkpoint")]
     assert [f["restored_step"] for f in trainer] == [0, 2, 2, 4, 4]
     assert [f["steps_redone"] for f in trainer] == [0, 0, 1, 0, 2]

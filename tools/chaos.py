@@ -143,11 +143,12 @@ class Chaos:
 
     # --- processes ----------------------------------------------------------------------------------------
 
-    def start_driver(self, resume: bool) -> None:
+    def start_driver(self, resume: bool, overwrite: bool = False) -> None:
         cmd = [self.py, "-m", "rollverify.app.cli", "train", "--no-progress"]
         if resume:
             cmd += ["--resume", str(self.out)]
         else:
+            cmd += ["--overwrite"] if overwrite else []
             cmd += ["--config", "tiny_cpu", "--out", str(self.out), *RUN, f"trainer.steps={self.a.steps}",
                     f"log.checkpoint_every={self.a.checkpoint_every}", f"recovery.max_restarts={self.a.ranks + 2}",
                     f"seed={self.a.seed}"]
@@ -241,7 +242,11 @@ class Chaos:
             if (self.out / "checkpoint" / "loop.json").is_file() else 0
         rec = {"time": t0, "pid": self.driver.pid, "processes": len(pids), "left_behind": left,
                "exit_s": time.time() - t0, "checkpoint_step": ckpt}
-        self.start_driver(resume=True)
+        if ckpt:
+            self.start_driver(resume=True)
+        else:  # killed before its first checkpoint: nothing to resume, the run starts again (same bound)
+            rec["started_again"] = True
+            self.start_driver(resume=False, overwrite=True)
         return rec
 
     def fill(self) -> dict:
