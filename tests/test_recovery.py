@@ -123,6 +123,11 @@ def test_an_empty_checkpoints_folder_made_before_the_run_is_no_run(tmp_path):
     (tmp_path / "checkpoints" / "step_000001").mkdir()
     with pytest.raises(rundir.RunFolderError):
         rundir.claim(tmp_path)
+    with _tmpfs(tmp_path / "checkpoints", "1m"):  # --overwrite empties the mount point, leaves it mounted
+        (tmp_path / "checkpoints" / "step_000002").mkdir()
+        (tmp_path / "metrics.jsonl").write_text("{}\n")
+        assert rundir.claim(tmp_path, overwrite=True) == tmp_path
+        assert (tmp_path / "checkpoints").is_dir() and not any((tmp_path / "checkpoints").iterdir())
 
 
 def test_rewind_forgets_the_steps_after_the_checkpoint(tmp_path):

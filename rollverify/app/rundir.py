@@ -138,11 +138,19 @@ def claim(
             "only a run's own outputs: move those files or choose another --out"
         )
     for entry in ours:
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry)
+        if entry.name == CHECKPOINTS and entry.is_dir() and not entry.is_symlink():
+            for child in entry.iterdir():  # the folder stays: it may be the mount point of a checkpoint volume
+                _remove(child)
         else:
-            entry.unlink()
+            _remove(entry)
     return out
+
+
+def _remove(entry: Path) -> None:
+    if entry.is_dir() and not entry.is_symlink():
+        shutil.rmtree(entry)
+    else:
+        entry.unlink()
 
 
 def next_free(base: str | Path) -> Path:
