@@ -186,7 +186,7 @@ class Chaos:
             if self.driver.returncode == 3 and self.retries < 2:  # its SGLang server did not start (memory)
                 self.retries += 1
                 self.events.append({"kind": "retry", "time": time.time(), "reason": f"server start failed ({log})"})
-                self.start_driver(resume=True)
+                self.start_again()
                 return self.poll()
             raise SystemExit(f"the driver exited with code {self.driver.returncode}; see {log}")
         return step
@@ -242,12 +242,17 @@ class Chaos:
             if (self.out / "checkpoint" / "loop.json").is_file() else 0
         rec = {"time": t0, "pid": self.driver.pid, "processes": len(pids), "left_behind": left,
                "exit_s": time.time() - t0, "checkpoint_step": ckpt}
-        if ckpt:
-            self.start_driver(resume=True)
-        else:  # killed before its first checkpoint: nothing to resume, the run starts again (same bound)
-            rec["started_again"] = True
-            self.start_driver(resume=False, overwrite=True)
+        rec["started_again"] = not self.start_again()
         return rec
+
+    def start_again(self) -> bool:
+        """`rollverify train --resume OUT`; before the run's first checkpoint there is nothing to resume, and
+        the run starts again (--overwrite: the same bound, every step since the last checkpoint). True: resumed."""
+        if (self.out / "checkpoint" / "loop.json").is_file():
+            self.start_driver(resume=True)
+            return True
+        self.start_driver(resume=False, overwrite=True)
+        return False
 
     def fill(self) -> dict:
         if not self.mounted:
