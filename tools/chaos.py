@@ -183,7 +183,7 @@ class Chaos:
         self.reap()
         if self.driver is not None and self.driver.poll() not in (None, 0):
             log = self.out.parent / f"{self.out.name}.driver{self.drivers - 1}.log"
-            if self.driver.returncode == 3 and self.retries < 2:  # its SGLang server did not start (memory)
+            if self.driver.returncode == 3 and self.retries < 5:  # its SGLang server did not start (memory)
                 self.retries += 1
                 self.events.append({"kind": "retry", "time": time.time(), "reason": f"server start failed ({log})"})
                 self.start_again()
