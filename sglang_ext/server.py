@@ -22,6 +22,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -52,6 +53,7 @@ __all__ = [
     "serve",
 ]
 
+SERVING = threading.Event()  # set once the control channel serves (the parent guard then stops gracefully)
 log = logging.getLogger(__name__)
 
 # every op group the server registers; a new group is one more entry (see sglang_ext/handlers/__init__.py)
@@ -119,6 +121,7 @@ class ControlServer:
             await freeze()
         self.spawn(self.dispatcher.command_worker())
         self._write_ready()
+        SERVING.set()
         log.info("control channel on %s (model %s)", self.endpoint, self.info.path)
         recv = None
         try:
@@ -208,19 +211,29 @@ def serve(cfg: ServeConfig) -> None:
 
 def guard_parent(parent: int, grace_s: float = 30.0) -> None:
     """End this server when process `parent` is gone, from start-up on (a thread: the engine's start takes
-    minutes and blocks the event loop): SIGTERM (serving: a graceful stop; still starting: the default action),
-    then SIGKILL after `grace_s`. SGLang's own processes die with this one (their PR_SET_PDEATHSIG)."""
-    import threading
+    minutes and blocks the event loop). Serving: SIGTERM, a graceful stop that shuts SGLang down, then SIGKILL
+    after `grace_s`. Still starting: SIGKILL to every process under this one, then to this one (a SGLang child
+    that is still importing has not set its PR_SET_PDEATHSIG yet, and would outlive a server that only exits)."""
 
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(0.5)
         log.warning("parent process %d is gone: stopping", parent)
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(grace_s)
-        os.kill(os.getpid(), signal.SIGKILL)
+        if SERVING.is_set():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(grace_s)
+        _kill_tree()
 
     threading.Thread(target=watch, name="rollverify-parent-guard", daemon=True).start()
+
+
+def _kill_tree() -> None:
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 async def _bind_and_run(server: ControlServer) -> None:

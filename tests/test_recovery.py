@@ -267,8 +267,9 @@ def test_a_rank_that_dies_while_the_new_ranks_start_counts_as_the_next_fault(tmp
 
 SERVER_GUARD = textwrap.dedent("""
     import subprocess, sys, time
-    code = ("import os, sys, time; from sglang_ext.server import guard_parent; "
-            "guard_parent(int(sys.argv[1]), grace_s=5.0); time.sleep(120)")
+    code = ("import subprocess, sys, time; from sglang_ext.server import guard_parent; "
+            "guard_parent(int(sys.argv[1]), grace_s=5.0); "
+            "print(subprocess.Popen(['sleep', '120']).pid, flush=True); time.sleep(120)")
     p = subprocess.Popen([sys.executable, "-c", code, str(__import__("os").getpid())])
     print(p.pid, flush=True)
     time.sleep(120)
@@ -277,18 +278,21 @@ SERVER_GUARD = textwrap.dedent("""
 
 def test_a_server_still_starting_exits_when_its_launcher_dies(tmp_path):
     """`rollverify serve --exit-with-parent --parent-pid P` watches P from its first moments (a thread, while
-    SGLang starts and blocks the event loop): the launcher's death ends it (SIGTERM, then SIGKILL)."""
+    SGLang starts and blocks the event loop): the launcher's death ends it and every process under it (SGLang's
+    children may not have set their own parent-death signal yet)."""
     import psutil
 
     launcher = subprocess.Popen([sys.executable, "-c", SERVER_GUARD], stdout=subprocess.PIPE, text=True,
                                 env={**os.environ, "PYTHONPATH": str(ROOT)})
+    procs = []
     try:
-        server = psutil.Process(int(launcher.stdout.readline()))
-        time.sleep(1.0)
+        procs = [psutil.Process(int(launcher.stdout.readline())) for _ in range(2)]  # the server, its child
         os.kill(launcher.pid, signal.SIGKILL)
         launcher.wait(10)
-        server.wait(timeout=30)
+        gone, alive = psutil.wait_procs(procs, timeout=30)
+        assert not alive, alive
     finally:
         launcher.kill()
-        with contextlib.suppress(psutil.NoSuchProcess, UnboundLocalError):
-            server.kill()
+        for p in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
