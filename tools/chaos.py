@@ -52,7 +52,8 @@ RUN = [
     "log.export_final=false",
     "trainer.dist_timeout_s=60",
     "trainer.call_timeout_s=300",  # a silent rank (a dead one is noticed at once); start-up on a loaded machine
-    "rollout.server_timeout_s=60",
+    "rollout.server_startup_s=900",  # a server start: minutes on a loaded machine
+    "rollout.engine_args.mem_fraction_static=0.3",  # SGLang's CPU pool check reads free RAM, low on a shared machine
 ]
 
 
