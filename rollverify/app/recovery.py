@@ -158,7 +158,8 @@ class Supervisor:
             try:
                 restored = self.run.restart_trainer()
             except RankFailure as again:
-                self._record({**record, "action": "restart", "restart_failed": str(again).splitlines()[0]})
+                self._record({**record, "action": "restart", "restart_failed": str(again).splitlines()[0],
+                              "restart_failed_detail": again.detail[-1000:]})
                 e = again
                 continue
             self.writer.rewind(restored)
