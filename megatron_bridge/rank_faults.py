@@ -43,14 +43,16 @@ def watch_parent(interval_s: float = 0.5) -> None:
     threading.Thread(target=watch, name="rollverify-parent-watch", daemon=True).start()
 
 
-def rank_process(*args: Any) -> None:
+def rank_process(entry: str, *args: Any) -> None:
     """A local rank process's target (megatron_bridge.spawned.PipeRanks): the parent watchdog first, before
     torch and Megatron-Core are imported (a minute on a loaded machine, during which a dead driver would
-    otherwise go unnoticed), then the rank's loop (`megatron_bridge.spawned.rank_loop`)."""
-    watch_parent()
-    from megatron_bridge.spawned import rank_loop
+    otherwise go unnoticed), then `entry` ("module:function", the rank's loop) with `args`. The entry is named,
+    not passed: unpickling a function imports its module, torch with it, before this runs."""
+    import importlib
 
-    rank_loop(*args)
+    watch_parent()
+    module, name = entry.split(":")
+    getattr(importlib.import_module(module), name)(*args)
 
 
 def fired_path(spec: str | os.PathLike, index: int) -> Path:

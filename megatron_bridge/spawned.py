@@ -150,7 +150,8 @@ class PipeRanks:
             # not daemonic: a rank starts processes of its own (Megatron-Core's checkpoint writers); a rank whose
             # driver is gone reads EOF on its pipe and exits, and `close` runs at the driver's exit (atexit)
             p = ctx.Process(target=rank_process, daemon=False,
-                            args=(r, world_size, port, str(model_path), cfg, dtype, seed, child, threads, setup))
+                            args=(f"{__name__}:rank_loop", r, world_size, port, str(model_path), cfg, dtype, seed,
+                                  child, threads, setup))
             p.start()
             child.close()
             self._conns.append(parent)
