@@ -429,10 +429,12 @@ def faults_report(events: list[dict], faults: list[dict], timeline: list[tuple[f
             cost["seconds_lost"] = max(0.0, back - e["time"] - step_s)
         if e["kind"] == "rank":
             f = next((f for f in trainer if f["detected_at"] >= e["time"] - 1e-3), None)
-            if f is not None:
+            if f is not None:  # the restart (and any that failed before it), and the steps done again
                 detect.append(f["detected_at"] - e["time"])
-                cost["steps_redone"] = f.get("steps_redone")
+                done = next((g for g in trainer if g["detected_at"] >= f["detected_at"] and "restored_step" in g), f)
+                cost["steps_redone"] = done.get("steps_redone")
                 cost["phase"] = f["phase"]
+                cost["seconds_lost"] = (done["time"] - f["detected_at"]) + (done.get("steps_redone") or 0) * step_s
         elif e["kind"] == "driver":
             cost["steps_redone"] = before - e["checkpoint_step"]
             cost["processes_exit_s"] = e["exit_s"]
