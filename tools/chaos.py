@@ -235,13 +235,17 @@ class Chaos:
                 break
             time.sleep(0.1)
         left = living(pids)
+        what = {}
+        for pid in left:  # what they are, for the report
+            with contextlib.suppress(psutil.Error):
+                what[pid] = " ".join(psutil.Process(pid).cmdline())[:200]
         for pid in left:  # counted as a failure below; ours to end all the same
             with contextlib.suppress(psutil.NoSuchProcess):
                 psutil.Process(pid).kill()
         self.reap()
         ckpt = json.loads((self.out / "checkpoint" / "loop.json").read_text())["step"] \
             if (self.out / "checkpoint" / "loop.json").is_file() else 0
-        rec = {"time": t0, "pid": self.driver.pid, "processes": len(pids), "left_behind": left,
+        rec = {"time": t0, "pid": self.driver.pid, "processes": len(pids), "left_behind": left, "left_what": what,
                "exit_s": time.time() - t0, "checkpoint_step": ckpt}
         rec["started_again"] = not self.start_again()
         return rec
