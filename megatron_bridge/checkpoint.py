@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import queue
 from collections.abc import Iterator
 from dataclasses import asdict
@@ -74,24 +75,77 @@ def _sharded_state(model, optimizer, is_loading: bool) -> dict[str, Any]:
 
 def save(ckpt_dir: str | Path, model, optimizer, scheduler, *, arch: ModelArch, parallel: dict[str, int],
          model_path: str, step: int, version: int) -> Path:
-    """Collective: every rank writes its shards into `ckpt_dir` (created), rank 0 the common state and meta."""
+    """Collective: every rank writes its shards into `ckpt_dir` (created), rank 0 the common state and meta.
+    Each rank first reserves the space it will write; a rank that cannot (disk full, no permission) makes every
+    rank raise the same OSError at once (`_agreed`), with nothing of the checkpoint's shards written."""
     from megatron.core import dist_checkpointing
 
     d = Path(ckpt_dir)
-    if dist.get_rank() == 0:
-        d.mkdir(parents=True, exist_ok=True)
-        (d / META_FILE).unlink(missing_ok=True)  # a folder without its meta is never taken for a checkpoint
-    dist.barrier()
+
+    def start() -> None:
+        if dist.get_rank() == 0:
+            d.mkdir(parents=True, exist_ok=True)
+            (d / META_FILE).unlink(missing_ok=True)  # a folder without its meta is never taken for a checkpoint
+
+    _agreed(start)
     state = _sharded_state(model, optimizer, is_loading=False)
     state.update(scheduler=scheduler.state_dict(), step=step, version=version)
-    with _in_process_write_results():
-        dist_checkpointing.save(state, str(d))
-    if dist.get_rank() == 0:
-        meta = {"format": FORMAT, "world_size": dist.get_world_size(), "parallel": parallel, "arch": asdict(arch),
-                "model_path": model_path, "step": step, "version": version}
-        (d / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
-    dist.barrier()
+    _agreed(lambda: _reserve(d, _bytes_to_write(state)))
+
+    def write() -> None:
+        with _in_process_write_results():
+            dist_checkpointing.save(state, str(d))
+
+    _agreed(write)
+
+    def finish() -> None:
+        if dist.get_rank() == 0:
+            meta = {"format": FORMAT, "world_size": dist.get_world_size(), "parallel": parallel,
+                    "arch": asdict(arch), "model_path": model_path, "step": step, "version": version}
+            (d / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
+
+    _agreed(finish)
     return d
+
+
+def _agreed(fn) -> None:
+    """Collective: run `fn` on every rank; if it raised OSError on any, raise it on all (naming the rank), so
+    that a rank whose disk is full or read-only does not leave the others waiting in the next collective until
+    `dist_timeout_s`. (A rank that fails inside Megatron-Core's own collectives still makes the others wait.)"""
+    error = None
+    try:
+        fn()
+    except OSError as e:
+        error = (e.errno, f"rank {dist.get_rank()}: {e.strerror or e}", e.filename)
+    errors: list = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise OSError(first[0], f"checkpoint not written: {first[1]}", first[2])
+
+
+def _bytes_to_write(state: dict[str, Any]) -> int:
+    """What this rank writes of `state`: the local data of the tensors whose main replica it holds."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica
+
+    total = 0
+    for v in nested_values(state):
+        if isinstance(v, ShardedTensor) and is_main_replica(v.replica_id) and isinstance(v.data, torch.Tensor):
+            total += v.data.numel() * v.data.element_size()
+    return total
+
+
+def _reserve(d: Path, nbytes: int) -> None:
+    """Allocate what this rank is about to write (and a margin) in `d`, then free it: a full disk or a folder
+    that cannot be written fails here, before any shard is written, on every rank at once (`_agreed`)."""
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / f".reserve-{dist.get_rank()}"
+    try:
+        with open(path, "wb") as f:
+            os.posix_fallocate(f.fileno(), 0, int(nbytes * 1.05) + (1 << 20))
+    finally:
+        path.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager

@@ -6,7 +6,8 @@ weight streams that rank 0 produces (`sync_weights`, the HF export) reach the dr
 Two groups exist: `megatron_bridge.spawned.PipeRanks` (child processes on this machine, over pipes) and
 `megatron_bridge.ray_trainer.RayRanks` (Ray actors, over actor calls); the proxy is the same over both. Any
 rank's exception is raised in the driver naming the rank; a rank that dies or stalls past the group's timeout
-fails the call instead of hanging it.
+fails the call instead of hanging it. Either way the group raises `RankFailure` (which rank, in which call, how),
+and the group is broken from then on: the application closes it and starts a new one (rollverify.app.recovery).
 """
 
 from __future__ import annotations
@@ -21,6 +22,39 @@ from megatron_bridge.replay import check_all_routes
 from megatron_bridge.weight_sync import CallableSink, InMemorySink, WeightSink
 
 STREAMS = ("sync_weights", "iter_hf_tensors")  # the calls whose rank 0 streams weight buckets to the sink
+
+# the loop phase each call belongs to, as fault messages name it
+PHASES = {
+    "train_step": "train step (old log-probs, forward/backward, optimizer)",
+    "compute_logprobs": "verification forward",
+    "loss_on": "loss evaluation",
+    "sync_weights": "weight push",
+    "send_weights": "weight push",
+    "iter_hf_tensors": "weight export",
+    "export_hf_state": "weight export",
+    "save_checkpoint": "checkpoint save",
+    "load_checkpoint": "checkpoint load",
+    "offload": "memory offload",
+    "reload": "memory reload",
+    "start": "start-up",
+}
+
+
+class RankFailure(RuntimeError):
+    """A trainer rank failed a call: `kind` is "died" (its process or actor is gone), "silent" (no reply within
+    the group's call timeout) or "error" (it raised; `detail` holds its traceback). `rank` is the rank that failed
+    first as the driver saw it, `method` the call (`PHASES` names its phase). After any of them the group's
+    collectives are in an unknown state: it is closed and replaced, never called again."""
+
+    def __init__(self, rank: int, method: str, kind: str, detail: str = "", where: str = "") -> None:
+        self.rank, self.method, self.kind, self.detail = rank, method, kind, detail
+        what = {"died": "died", "silent": "gave no reply in time", "error": "failed"}[kind]
+        text = f"trainer rank {rank}{f' ({where})' if where else ''} {what} in {method} ({self.phase})"
+        super().__init__(text + (f":\n{detail}" if detail else ""))
+
+    @property
+    def phase(self) -> str:
+        return PHASES.get(self.method, self.method)
 
 
 class RankGroup(Protocol):

@@ -10,7 +10,7 @@ loop drives the same `TrainerProxy` methods.
 Weight buckets that rank 0 streams (sync_weights, the HF export) reach the driver's sink through a bounded queue
 in the rank-0 actor, drained by the driver while the call runs; they travel as CPU tensors in Ray's object
 store. Any rank's exception is raised in the driver naming the rank and its node; a rank whose actor dies, or
-that is silent past `timeout_s`, fails the call instead of hanging it.
+that is silent past `timeout_s`, fails the call instead of hanging it: `RankFailure`, as the local launcher's.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from megatron_bridge.config import TrainerConfig
-from megatron_bridge.proxy import STREAMS
+from megatron_bridge.proxy import STREAMS, RankFailure
 from megatron_bridge.spawned import RankSetup, run_call, start_rank
 
 DONE = "done"
@@ -186,14 +186,15 @@ class RayRanks:
             ready, pending = ray.wait(pending, num_returns=1, timeout=self.timeout_s)
             if not ready:
                 late = ", ".join(self._name(ranks[index[r]]) for r in pending)
-                raise TimeoutError(f"{what}: no reply within {self.timeout_s:.0f} s from {late}")
+                raise RankFailure(ranks[index[pending[0]]], what, "silent",
+                                  f"no reply within {self.timeout_s:.0f} s from {late} (trainer.call_timeout_s)")
             i = index[ready[0]]
             try:
                 out[i] = ray.get(ready[0], timeout=0)
             except RayActorError as e:
-                raise RuntimeError(f"{what}: {self._name(ranks[i])} died: {e}") from None
+                raise RankFailure(ranks[i], what, "died", str(e), self._where[ranks[i]]) from None
             except RayTaskError as e:
-                raise RuntimeError(f"{what}: {self._name(ranks[i])} failed:\n{e}") from None
+                raise RankFailure(ranks[i], what, "error", str(e), self._where[ranks[i]]) from None
             except GetTimeoutError:  # ready but not yet fetchable: look again
                 pending.append(ready[0])
         return out
@@ -222,14 +223,15 @@ class RayRanks:
             try:
                 event = ray.get(self._actors[0].next_event.remote(1.0))
             except RayActorError as e:
-                raise RuntimeError(f"sync_weights: {self._name(0)} died: {e}") from None
+                raise RankFailure(0, "sync_weights", "died", str(e), self._where[0]) from None
             if event is None:
                 done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
                 if done:
                     self._gather(done, what="sync_weights", ranks=[refs.index(d) for d in done])
                 silent += 1.0
                 if silent > self.timeout_s:
-                    raise TimeoutError(f"sync_weights: {self._name(0)} sent no weights for {self.timeout_s:.0f} s")
+                    raise RankFailure(0, "sync_weights", "silent",
+                                      f"sent no weights for {self.timeout_s:.0f} s (trainer.call_timeout_s)", self._where[0])
                 continue
             silent = 0.0
             kind, payload = event

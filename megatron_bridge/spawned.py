@@ -5,7 +5,10 @@ The driver (the loop's process) sends each call to every rank over a pipe and re
 back over the pipe (as `torch.save` bytes for CPU tensors, as CUDA IPC handles for GPU tensors) and feeds the
 driver's sink, so the sink object (an SGLang client, a disk folder) stays in the driver. Any rank's exception is
 re-raised in the driver with its traceback; a rank that dies or stalls past `timeout_s` fails the call instead
-of hanging it. `start_rank` and `run_call` are the rank side that both launchers' rank processes share.
+of hanging it, as `RankFailure`. The driver waits on every rank's pipe and process at once, so a rank's death is
+seen within milliseconds even while the others are blocked in a collective with it (they are killed at `close`).
+A rank process exits when the driver is gone (`rank_faults.rank_process` watches it first). `start_rank` and
+`run_call` are the rank side that both launchers' rank processes share.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import atexit
 import io
 import os
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -21,7 +25,8 @@ import torch
 
 from megatron_bridge.config import TrainerConfig
 from megatron_bridge.parallel import free_port
-from megatron_bridge.proxy import TrainerProxy
+from megatron_bridge.proxy import RankFailure, TrainerProxy
+from megatron_bridge.rank_faults import arm, rank_process
 
 
 def _pack(bucket: list[tuple[str, torch.Tensor]]) -> tuple[str, bytes]:
@@ -76,7 +81,9 @@ def start_rank(rank: int, world_size: int, master: tuple[str, int], model_path: 
         setup()
     from megatron_bridge.trainer import MegatronTrainer
 
-    return MegatronTrainer(model_path, cfg, dtype=dtype, seed=seed)
+    trainer = MegatronTrainer(model_path, cfg, dtype=dtype, seed=seed)
+    arm(trainer, rank)  # the fault-injection test hook (ROLLVERIFY_RANK_FAULTS); nothing without it
+    return trainer
 
 
 def run_call(trainer, rank: int, method: str, args: tuple, kwargs: dict, sink) -> Any:
@@ -91,8 +98,9 @@ def run_call(trainer, rank: int, method: str, args: tuple, kwargs: dict, sink) -
     return result if rank == 0 else None
 
 
-def _worker(rank: int, world_size: int, port: int, model_path: str, cfg: TrainerConfig, dtype: str, seed: int,
-            conn, threads: int, setup: RankSetup | None) -> None:
+def rank_loop(rank: int, world_size: int, port: int, model_path: str, cfg: TrainerConfig, dtype: str, seed: int,
+              conn, threads: int, setup: RankSetup | None) -> None:
+    """One local rank process: its trainer, then the driver's calls over `conn` until close or EOF."""
     try:
         trainer = start_rank(rank, world_size, ("127.0.0.1", port), model_path, cfg, dtype, seed, threads,
                              setup=setup)
@@ -109,9 +117,13 @@ def _worker(rank: int, world_size: int, port: int, model_path: str, cfg: Trainer
             conn.send(("ok", None))
             break
         try:
-            conn.send(("ok", run_call(trainer, rank, method, args, kwargs, _PipeSink(conn))))
+            reply = ("ok", run_call(trainer, rank, method, args, kwargs, _PipeSink(conn)))
         except BaseException:  # noqa: BLE001
-            conn.send(("error", traceback.format_exc()))
+            reply = ("error", traceback.format_exc())
+        try:
+            conn.send(reply)
+        except OSError:  # the driver closed the group (a rank failed): nothing to report to
+            break
     try:
         trainer.close()
     except Exception:  # noqa: BLE001 - exiting anyway
@@ -137,37 +149,55 @@ class PipeRanks:
             parent, child = ctx.Pipe()
             # not daemonic: a rank starts processes of its own (Megatron-Core's checkpoint writers); a rank whose
             # driver is gone reads EOF on its pipe and exits, and `close` runs at the driver's exit (atexit)
-            p = ctx.Process(target=_worker, daemon=False,
-                            args=(r, world_size, port, str(model_path), cfg, dtype, seed, child, threads, setup))
+            p = ctx.Process(target=rank_process, daemon=False,
+                            args=(f"{__name__}:rank_loop", r, world_size, port, str(model_path), cfg, dtype, seed,
+                                  child, threads, setup))
             p.start()
             child.close()
             self._conns.append(parent)
             self._procs.append(p)
         atexit.register(self.close, force=True)
         try:
-            self._replies()
+            self._replies("start")
         except BaseException:
             self.close(force=True)
             raise
 
     # -------------------------------------------------------------------------------------------- plumbing
 
-    def _recv(self, rank: int) -> Any:
-        conn, proc = self._conns[rank], self._procs[rank]
-        waited = 0.0
-        while not conn.poll(1.0):
-            waited += 1.0
-            if not proc.is_alive():
-                raise RuntimeError(f"trainer rank {rank} exited (code {proc.exitcode}) without replying")
-            if waited > self.timeout_s:
-                raise TimeoutError(f"trainer rank {rank} gave no reply within {self.timeout_s:.0f} s")
-        return conn.recv()
+    def _wait(self, rank: int, method: str) -> None:
+        """Until rank `rank` has a message; `RankFailure` at once when any rank's process is gone, or after
+        `timeout_s` of silence."""
+        from multiprocessing.connection import wait
 
-    def _replies(self, sink=None) -> Any:
+        conn = self._conns[rank]
+        deadline = time.monotonic() + self.timeout_s
+        sentinels = {p.sentinel: r for r, p in enumerate(self._procs)}
+        while not conn.poll():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RankFailure(rank, method, "silent", f"no reply within {self.timeout_s:.0f} s "
+                                  "(trainer.call_timeout_s)")
+            ready = wait([conn, *sentinels], timeout=min(left, 5.0))
+            dead = [r for r, p in enumerate(self._procs) if p.sentinel in ready or not p.is_alive()]
+            if dead and not conn.poll():
+                r = dead[0]
+                self._procs[r].join(1.0)
+                raise RankFailure(r, method, "died", f"exit code {self._procs[r].exitcode}")
+
+    def _recv(self, rank: int, method: str) -> Any:
+        self._wait(rank, method)
+        try:
+            return self._conns[rank].recv()
+        except (EOFError, OSError):  # it died after its last message
+            self._procs[rank].join(1.0)
+            raise RankFailure(rank, method, "died", f"exit code {self._procs[rank].exitcode}") from None
+
+    def _replies(self, method: str, sink=None) -> Any:
         result, errors = None, []
         for r in range(self.world_size):
             while True:
-                msg = self._recv(r)
+                msg = self._recv(r, method)
                 kind = msg[0]
                 if kind == "begin":
                     if sink is not None:
@@ -183,20 +213,25 @@ class PipeRanks:
                 else:
                     break
             if kind == "error":
-                errors.append(f"rank {r}:\n{msg[1]}")
+                errors.append((r, msg[1]))
             elif r == 0:
                 result = msg[1]
         if errors:
-            raise RuntimeError("trainer rank failed:\n" + "\n".join(errors))
+            r, trace = errors[0]
+            raise RankFailure(r, method, "error", "\n".join(f"rank {q}:\n{t}" for q, t in errors))
         return result
 
     def call(self, method: str, args: tuple, kwargs: dict, sink=None) -> Any:
         return self.call_each(method, [(args, kwargs)] * self.world_size, sink)
 
     def call_each(self, method: str, per_rank: list[tuple[tuple, dict]], sink=None) -> Any:
-        for c, (args, kwargs) in zip(self._conns, per_rank, strict=True):
-            c.send((method, args, kwargs))
-        return self._replies(sink)
+        for r, (c, (args, kwargs)) in enumerate(zip(self._conns, per_rank, strict=True)):
+            try:
+                c.send((method, args, kwargs))
+            except (BrokenPipeError, OSError):
+                self._procs[r].join(1.0)
+                raise RankFailure(r, method, "died", f"exit code {self._procs[r].exitcode}") from None
+        return self._replies(method, sink)
 
     def close(self, force: bool = False) -> None:
         atexit.unregister(self.close)

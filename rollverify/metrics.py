@@ -255,6 +255,24 @@ class MetricsWriter:
             self._wandb.log({k: v for k, v in rec.items() if isinstance(v, (int, float))}, step=rec["step"])
         return rec
 
+    def rewind(self, step: int) -> None:
+        """Forget the records after `step` (a run that restarted from its checkpoint at `step` redoes them):
+        metrics.jsonl is rewritten without them, TensorBoard purges them when the step after `step` is written
+        again. wandb keeps what it was sent (its runs take steps in order only)."""
+        if self.closed:
+            raise RuntimeError("MetricsWriter is closed")
+        if self.records and self.records[-1]["step"] <= step:
+            return
+        self.records = [r for r in self.records if r["step"] <= step]
+        self._file.close()
+        _write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
+        self._file = self.path.open("a")
+        if self._tb is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb.close()
+            self._tb = SummaryWriter(log_dir=str(self.dir / TENSORBOARD), purge_step=step + 1)
+
     def close(self, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Write summary.json (and plots); release TensorBoard and wandb. Returns the summary."""
         summary = summarize(self.records)

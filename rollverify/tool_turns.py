@@ -182,6 +182,12 @@ class ToolTurns:
                 del self.pending[rid]
                 self.stats.discarded += 1
 
+    def abandon(self) -> None:
+        """Every call in flight will not deliver (the buffer it would append to is replaced: a trainer restart
+        restores a checkpoint's, whose responses that end in an unanswered call run it again)."""
+        self.stats.discarded += len(self.pending)
+        self.pending.clear()
+
     def deliver(self, buffer: RolloutBuffer, engine: RolloutEngine, wait_s: float = 0.0) -> Delivered:
         """Append every finished call's output to its response and have the engine continue it (resubmitted
         when the engine no longer holds it); `wait_s`: how long to wait for the first to finish."""

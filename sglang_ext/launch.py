@@ -118,6 +118,8 @@ def server_command(
         "--ready-file",
         str(ready_file),
         "--exit-with-parent",
+        "--parent-pid",
+        str(os.getpid()),
     ]
     for k, v in (engine_args or {}).items():
         cmd += ["--engine-arg", f"{k}={json.dumps(v)}"]

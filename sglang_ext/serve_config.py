@@ -24,6 +24,7 @@ class ServeConfig:
     routed_experts: bool | None = None  # None: on for MoE checkpoints
     ready_file: str | None = None
     exit_with_parent: bool = False
+    parent_pid: int | None = None  # exit_with_parent: the process whose death ends the server (None: the parent)
     version: int = 0
     idle_nice: int = 19  # niceness of SGLang's processes while nothing generates (0: unchanged)
     engine: dict[str, Any] = field(default_factory=dict)

@@ -22,6 +22,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -52,6 +53,7 @@ __all__ = [
     "serve",
 ]
 
+SERVING = threading.Event()  # set once the control channel serves (the parent guard then stops gracefully)
 log = logging.getLogger(__name__)
 
 # every op group the server registers; a new group is one more entry (see sglang_ext/handlers/__init__.py)
@@ -118,9 +120,8 @@ class ControlServer:
         if freeze is not None:
             await freeze()
         self.spawn(self.dispatcher.command_worker())
-        if self.cfg.exit_with_parent:
-            self.spawn(self._watch_parent(os.getppid()))
         self._write_ready()
+        SERVING.set()
         log.info("control channel on %s (model %s)", self.endpoint, self.info.path)
         recv = None
         try:
@@ -147,12 +148,6 @@ class ControlServer:
             t.cancel()
         self.channel.close()
         log.info("control channel closed")
-
-    async def _watch_parent(self, parent: int) -> None:
-        while not self._stop.is_set():
-            await asyncio.sleep(1.0)
-            if os.getppid() != parent:
-                self.request_stop(f"parent process {parent} is gone")
 
     def _write_ready(self) -> None:
         if not self.cfg.ready_file:
@@ -196,6 +191,8 @@ def serve(cfg: ServeConfig) -> None:
     from sglang_ext.engine import EngineHandle, inspect_model_folder
 
     check_config(cfg)
+    if cfg.exit_with_parent:
+        guard_parent(cfg.parent_pid or os.getppid())
     info = inspect_model_folder(cfg.model)
     routes = info.is_moe if cfg.routed_experts is None else cfg.routed_experts
     if routes and not info.is_moe:
@@ -210,6 +207,33 @@ def serve(cfg: ServeConfig) -> None:
         t0 = time.monotonic()
         engine.shutdown()
         log.info("SGLang shut down in %.1f s", time.monotonic() - t0)
+
+
+def guard_parent(parent: int, grace_s: float = 30.0) -> None:
+    """End this server when process `parent` is gone, from start-up on (a thread: the engine's start takes
+    minutes and blocks the event loop). Serving: SIGTERM, a graceful stop that shuts SGLang down, then SIGKILL
+    after `grace_s`. Still starting: SIGKILL to every process under this one, then to this one (a SGLang child
+    that is still importing has not set its PR_SET_PDEATHSIG yet, and would outlive a server that only exits)."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        log.warning("parent process %d is gone: stopping", parent)
+        if SERVING.is_set():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(grace_s)
+        _kill_tree()
+
+    threading.Thread(target=watch, name="rollverify-parent-guard", daemon=True).start()
+
+
+def _kill_tree() -> None:
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 async def _bind_and_run(server: ControlServer) -> None:
@@ -252,6 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--exit-with-parent", action="store_true", help="shut down when the launching process dies"
     )
+    p.add_argument("--parent-pid", type=int, help="with --exit-with-parent: the launching process (default: the "
+                   "parent at start; give it to cover a launcher that dies while this one starts)")
     p.add_argument(
         "--weights-version", type=int, default=0, help="version recorded on tokens before any update"
     )
@@ -291,6 +317,7 @@ def config_from_args(a: argparse.Namespace) -> ServeConfig:
         routed_experts={"auto": None, "on": True, "off": False}[a.routed_experts],
         ready_file=a.ready_file,
         exit_with_parent=a.exit_with_parent,
+        parent_pid=a.parent_pid,
         version=a.weights_version,
         idle_nice=a.idle_nice,
         engine=engine,

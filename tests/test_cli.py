@@ -330,3 +330,15 @@ def test_make_tiny_model_refuses_a_task_it_cannot_warm_start_on(tmp_path, capsys
     assert main(["make-tiny-model", "--out", str(tmp_path / "m"), "--task", "math"]) == 2
     assert "--task 'math': not a synthetic task; choose one of countdown" in capsys.readouterr().err
     assert not (tmp_path / "m").exists()
+
+
+def test_resume_without_config_reads_the_runs_own_config(tmp_path, capsys):
+    run = _finished_run(tmp_path / "run")
+    (run / "config.json").write_text(json.dumps({"algo": {"mdoe": "partial"}}))  # what the run wrote, broken here
+    assert main(["train", "--resume", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "algo.mdoe" in err and str(run / "config.json") in err
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--out", str(tmp_path / "new")])
+    assert info.value.code == 2
+    assert "--config is required (with --resume it defaults to the run's config.json)" in capsys.readouterr().err

@@ -348,6 +348,38 @@ def test_checkpoint_written_at_tp2_loads_at_tp1(tmp_path):
     one.close()
 
 
+def test_a_full_disk_fails_the_save_on_every_rank_at_once_and_the_group_goes_on(tmp_path):
+    """Two ranks save into a 256 KiB tmpfs (needs root to mount): each reserves what it will write first, so every
+    rank raises the same ENOSPC at once instead of one waiting in a collective for dist_timeout_s; nothing of the
+    shards is written, and the group saves elsewhere afterwards."""
+    import os
+    import subprocess
+    import time
+
+    from megatron_bridge.proxy import RankFailure
+    from megatron_bridge.spawned import spawn_trainer
+    from megatron_bridge.trainer import TrainerConfig
+
+    full = tmp_path / "full"
+    full.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(full)],
+                                           capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root (CAP_SYS_ADMIN)")
+    try:
+        cfg = TrainerConfig(dp=2, lr=1e-2, micro_batch_tokens=24, dist_timeout_s=600)
+        with spawn_trainer(tiny_path(), cfg, world_size=2, timeout_s=600) as tr:
+            tr.train_step(_rl_batch(tiny_path()))  # the distributed optimizer has state to save after a step
+            t0 = time.perf_counter()
+            with pytest.raises(RankFailure, match="No space left on device") as info:
+                tr.save_checkpoint(full / "ckpt")
+            assert info.value.kind == "error" and time.perf_counter() - t0 < 120
+            assert not [p for p in (full / "ckpt").rglob("*") if p.is_file()]
+            tr.save_checkpoint(tmp_path / "ok")
+            assert (tmp_path / "ok" / "rollverify_trainer.json").is_file()
+    finally:
+        subprocess.run(["umount", "-l", str(full)], check=False)
+
+
 def test_loop_adapter_speaks_rollverify_responses():
     from megatron_bridge.convert import hf_tensor_names
     from megatron_bridge.loop_adapter import LoopTrainer

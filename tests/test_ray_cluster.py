@@ -188,3 +188,50 @@ def test_a_model_path_missing_on_the_nodes_is_named_per_node(ray_cluster, tmp_pa
     lines = str(e.value).splitlines()[1:]
     assert len(lines) == 2 and all("no-model/ does not exist on plan node" in x for x in lines)
     assert {x.split("plan node ")[1][0] for x in lines} == {"0", "1"}
+
+
+@pytest.mark.slow
+def test_a_killed_trainer_rank_actor_is_replaced_from_the_checkpoint(ray_cluster, tmp_path):
+    """A trainer rank's actor killed mid-run on the two-node cluster: the driver sees the dead actor
+    (RankFailure), kills the other rank, places new rank actors, loads the last checkpoint into them and goes on;
+    each step is logged once and the ledger is exact (rollverify.app.recovery, shared with the local launcher)."""
+    import json
+
+    import ray
+
+    from rollverify.app.recovery import Supervisor
+    from rollverify.metrics import MetricsWriter, load_metrics
+
+    cfg = load_config(None, [*SMALL, "trainer.steps=4", "algo.mode=rollverify", "log.checkpoint_every=1",
+                             f"cluster.address={ray_cluster.address}"])
+    run = _distributed_run(cfg, tmp_path)
+    killed = threading.Event()
+    stop = threading.Event()
+    first = run.trainer.ranks
+
+    def kill_rank_1_in_step_3() -> None:
+        while not stop.wait(0.05):
+            if run.loop.step == 2 and run.trainer.ranks is first:
+                ray.kill(first._actors[1])
+                killed.set()
+                return
+
+    try:
+        writer = MetricsWriter(tmp_path, cfg.log)
+        killer = threading.Thread(target=kill_rank_1_in_step_3, daemon=True)
+        killer.start()
+        Supervisor(run, writer, "resume").run_steps()
+        stop.set()
+        killer.join()
+        writer.close()
+        assert killed.is_set()
+        (fault,) = [json.loads(line) for line in (tmp_path / "faults.jsonl").read_text().splitlines()
+                    if json.loads(line)["kind"] == "trainer"]
+        assert fault["rank"] == 1 and fault["how"] == "died" and fault["restored_step"] in (1, 2)  # the kill may land in the save of step 2
+        assert run.trainer.ranks is not first
+        assert [r["step"] for r in load_metrics(tmp_path)] == [1, 2, 3, 4]
+        assert run.loop.ledger.trained == 4 * 2 * 2
+        assert [h["version"] for h in run.engine.health()] == [4, 4]
+    finally:
+        stop.set()
+        run.close()

@@ -25,6 +25,7 @@ from typing import Any, Literal
 import yaml
 
 from megatron_bridge.config import TrainerConfig
+from rollverify.app.recovery import RecoveryConfig
 from rollverify.loop import RolloutConfig
 from rollverify.sections import ConfigError, bounded, build, coerce, suggest
 from rollverify.strategies import AlgoConfig
@@ -132,6 +133,7 @@ SECTIONS: dict[str, type] = {
     "eval": EvalConfig,
     "log": LogConfig,
     "cluster": ClusterConfig,
+    "recovery": RecoveryConfig,
 }
 TOP_LEVEL = ("seed",)
 
@@ -149,6 +151,7 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     seed: int = 0
 
     def to_dict(self) -> dict[str, Any]:

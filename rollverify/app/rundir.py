@@ -13,13 +13,16 @@ import json
 import shutil
 from pathlib import Path
 
-CHECKPOINT = "checkpoint"
+CHECKPOINT = "checkpoint"  # the last complete checkpoint (a link into CHECKPOINTS)
+CHECKPOINTS = "checkpoints"  # the checkpoint folders (rollverify.app.checkpoints)
 # What `rollverify train` writes into a run folder (names or glob patterns); `--overwrite` removes exactly these.
 RUN_OUTPUTS = (
     "config.json",
     "metrics.jsonl",
     "summary.json",
     CHECKPOINT,
+    CHECKPOINTS,
+    "faults.jsonl",
     "tensorboard",
     "plots",
     "hf",
@@ -36,6 +39,12 @@ RUN_MARKS = ("metrics.jsonl", "summary.json", CHECKPOINT)
 
 class RunFolderError(ValueError):
     """An `--out` / `--resume` folder that cannot be used as asked; the message says what to do instead."""
+
+
+def _prepared(entry: Path) -> bool:
+    """An empty DIR/checkpoints made before the run (e.g. the mount point of a volume for the checkpoints): it
+    does not make the folder hold anything."""
+    return entry.name == CHECKPOINTS and entry.is_dir() and not any(entry.iterdir())
 
 
 def _matches(name: str, patterns: tuple[str, ...]) -> bool:
@@ -101,7 +110,7 @@ def claim(
         check_resume(resume)
     if out.exists() and not out.is_dir():
         raise RunFolderError(f"--out {out} is a file, not a folder; choose another --out")
-    if not out.is_dir() or not any(out.iterdir()):
+    if not out.is_dir() or not any(e for e in out.iterdir() if not _prepared(e)):
         return out
     if resume is not None and out.resolve() == Path(resume).resolve():
         return out  # continuing in place: records after the checkpoint's step are redone
@@ -129,11 +138,19 @@ def claim(
             "only a run's own outputs: move those files or choose another --out"
         )
     for entry in ours:
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry)
+        if entry.name == CHECKPOINTS and entry.is_dir() and not entry.is_symlink():
+            for child in entry.iterdir():  # the folder stays: it may be the mount point of a checkpoint volume
+                _remove(child)
         else:
-            entry.unlink()
+            _remove(entry)
     return out
+
+
+def _remove(entry: Path) -> None:
+    if entry.is_dir() and not entry.is_symlink():
+        shutil.rmtree(entry)
+    else:
+        entry.unlink()
 
 
 def next_free(base: str | Path) -> Path:

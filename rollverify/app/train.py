@@ -16,10 +16,12 @@ from dataclasses import asdict
 from pathlib import Path
 
 from rollverify.app import rundir
+from rollverify.app.checkpoints import LOOP_FILE, CheckpointStore
 from rollverify.app.config import RunConfig, load_config
 from rollverify.app.console import Progress, quiet_cpu_warnings, say, stage
 from rollverify.app.evaluate import build_evaluator
 from rollverify.app.export import export_dir, export_trainer
+from rollverify.app.recovery import RunStopped, Supervisor, resume_command
 from rollverify.app.start import build_tool_turns, resolve_model, start_engine, start_trainer
 from rollverify.buffer import RolloutBuffer
 from rollverify.loop import Loop
@@ -39,10 +41,12 @@ class Run:
         from transformers import AutoTokenizer
 
         from rollverify.app.gpu_memory import MemoryBook
-        from rollverify.app.handoff import MeteredTrainer, make_handoff, start_run
+        from rollverify.app.handoff import make_handoff, start_run
         from rollverify.app.plan import make_plan
 
         self.cfg, self.out = cfg, out
+        self.checkpoints = CheckpointStore(out)
+        self.resumed_from: Path | None = None  # the run folder whose checkpoint this one continued from
         self.model_path = resolve_model(cfg)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.task = get_task(cfg.task.name, **cfg.task.options)
@@ -77,16 +81,7 @@ class Run:
             raise
         self._train_examples: list = []
         self._stream = self.task.stream("train", seed=cfg.seed)
-        self.loop = Loop(
-            cfg.rollout,
-            cfg.algo,
-            self.engine,
-            MeteredTrainer(self.trainer, self.book, measure=cfg.cluster.gpus_per_node > 0),
-            make_group=self.make_group,
-            reward=self.reward,
-            weights=weights,
-            tools=self.tools,
-        )
+        self.loop = self._make_loop(weights)
 
     # --- wiring -------------------------------------------------------------------------------------------
 
@@ -125,6 +120,14 @@ class Run:
         from rollverify.app.handoff import make_weights
 
         return make_weights(self.cfg, engine, trainer, self.handoff)
+
+    def _make_loop(self, weights) -> Loop:
+        """A fresh loop over the current engine, trainer and weight sync."""
+        from rollverify.app.handoff import MeteredTrainer
+
+        return Loop(self.cfg.rollout, self.cfg.algo, self.engine,
+                    MeteredTrainer(self.trainer, self.book, measure=self.cfg.cluster.gpus_per_node > 0),
+                    make_group=self.make_group, reward=self.reward, weights=weights, tools=self.tools)
 
     def _start_trainer(self):
         from megatron_bridge.loop_adapter import LoopTrainer
@@ -175,33 +178,67 @@ class Run:
     # --- checkpoints --------------------------------------------------------------------------------------
 
     def save(self) -> None:
-        d = self.out / CKPT
-        tmp = self.out / (CKPT + ".tmp")
-        tmp.mkdir(parents=True, exist_ok=True)
+        """A checkpoint of the current step, current once complete (`CheckpointStore.save`; CheckpointError
+        when it cannot be written, the previous one kept)."""
         from rollverify.app.handoff import CHECKPOINT_KINDS
 
         self.loop.settle_tools()  # the buffer holds every call's output: none runs again after a restore
-        with self._trainer_turn("checkpoint", CHECKPOINT_KINDS):
-            self.trainer.save(str(tmp / "trainer"))
-        self.loop.buffer.save(tmp / "buffer.npz")
-        (tmp / "loop.json").write_text(json.dumps(self.loop.state(), indent=1) + "\n")
-        if d.exists():
-            import shutil
 
-            shutil.rmtree(d)
-        tmp.rename(d)
+        def write(d: Path) -> None:
+            with self._trainer_turn("checkpoint", CHECKPOINT_KINDS):
+                self.trainer.save(str(d / "trainer"))
+            self.loop.buffer.save(d / "buffer.npz")
+
+        self.checkpoints.save(self.loop.step, write, self.loop.state())
 
     def restore(self, src: Path) -> None:
         d = src / CKPT
-        if not (d / "loop.json").is_file():
-            raise FileNotFoundError(f"--resume {src}: no {CKPT}/loop.json there (was it a run directory?)")
+        if not (d / LOOP_FILE).is_file():
+            raise FileNotFoundError(f"--resume {src}: no {CKPT}/{LOOP_FILE} there (was it a run directory?)")
+        if Path(src).resolve() == self.out.resolve():
+            self.checkpoints.clean()  # what a save that never finished left behind
         from rollverify.app.handoff import CHECKPOINT_KINDS
 
         with self._trainer_turn("restore", CHECKPOINT_KINDS):
             self.trainer.load(str(d / "trainer"))
-        self.loop.restore(json.loads((d / "loop.json").read_text()), RolloutBuffer.load(d / "buffer.npz"))
-        # the engines start from the initial weights: bring them to the restored policy, the run's own way
+        self.loop.restore(json.loads((d / LOOP_FILE).read_text()), RolloutBuffer.load(d / "buffer.npz"))
+        self.resumed_from = Path(src)
+        # the engines start from the initial weights (or hold another policy): bring them to the restored one,
+        # the run's own way
         self.loop.weights.push(self.loop.version)
+
+    def restart_trainer(self) -> int:
+        """After a trainer fault: the old ranks killed, new ones from the last checkpoint of this run (none: the
+        one it resumed from, else the initial weights), the engines holding nothing of the lost steps and
+        serving the restored policy, the loop restored with the checkpoint's buffer. Returns the step it
+        restored. (The colocated GPU start-up order of `start_run` is not repeated: a restart starts the ranks
+        while the servers keep their memory.)"""
+        from rollverify.app.recovery import forget_responses
+
+        self.close_trainer()
+        if self.tools is not None:  # calls in flight belong to the lost steps' responses
+            self.tools.abandon()
+        self.trainer = self._staged_trainer()
+        weights = self._weight_sync(self.engine, self.trainer)
+        self.engine.restart_weights(source=self.trainer.export_weights)
+        if hasattr(weights, "restore"):
+            self.engine.restart_weights(restore=weights.restore)
+        self.loop = self._make_loop(weights)
+        forget_responses(self.engine)
+        src = self.out if self.checkpoints.current() is not None else self.resumed_from
+        if src is not None:
+            self.restore(src)
+        else:
+            self.loop.weights.push(0)
+        return self.loop.step
+
+    def close_trainer(self) -> None:
+        """Stop the trainer's ranks at once (a broken group's collectives are never waited for)."""
+        ranks = self.trainer.ranks
+        if ranks is not None:
+            ranks.close(force=True)
+        else:
+            self.trainer.close()
 
     def close(self) -> None:
         if self.tools is not None:
@@ -252,21 +289,12 @@ def train(
             config=cfg.to_dict(),
         )
         shown = Progress(cfg.trainer.steps, run.loop.step, bar=bar) if progress else None
-        while run.loop.step < cfg.trainer.steps:
-            metrics = run.loop.run_step().metrics
-            if cfg.eval.every and (run.loop.step % cfg.eval.every == 0 or run.loop.step == cfg.trainer.steps):
-                metrics.update(run.evaluate())
-            writer.write(metrics)
-            if cfg.log.checkpoint_every and run.loop.step % cfg.log.checkpoint_every == 0:
-                run.save()
-            last = run.loop.step == cfg.trainer.steps
-            if (cfg.log.export_every and run.loop.step % cfg.log.export_every == 0) or (last and cfg.log.export_final):
-                run.export()
-            if shown is not None:
-                shown.update(metrics)
+        supervisor = Supervisor(run, writer, resume_command(out))
+        supervisor.run_steps(shown.update if shown is not None else None)
         if shown is not None:
             shown.close()
-        summary = writer.close(extra={"wall_s": time.perf_counter() - t_start, "ledger": asdict(run.loop.ledger)})
+        summary = writer.close(extra={"wall_s": time.perf_counter() - t_start, "ledger": asdict(run.loop.ledger),
+                                      "faults": supervisor.summary()})
     finally:
         run.close()
     return summary
@@ -287,7 +315,8 @@ examples:
   rollverify train --config tiny_cpu --out runs/partial algo.mode=partial trainer.steps=40 seed=1
   rollverify train --config my.yaml --out runs/x model.path=/models/Qwen3-8B task.name=math \\
       task.options.train_path=data/dapo.parquet
-  rollverify train --config tiny_cpu --resume runs/rv trainer.steps=80   # continue runs/rv up to step 80"""
+  rollverify train --config tiny_cpu --resume runs/rv trainer.steps=80   # continue runs/rv up to step 80
+  rollverify train --resume runs/rv        # continue runs/rv with its own config.json (e.g. after a crash)"""
 
 
 def cli_main(argv: list[str] | None = None) -> int:
@@ -301,9 +330,9 @@ def cli_main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--config",
-        required=True,
+        default=None,
         help="YAML config file, or the name of a shipped one: tiny_cpu (the CPU default), qwen3_8b_base, "
-        "qwen3_30b_a3b_base",
+        "qwen3_30b_a3b_base (default with --resume: the run's own config.json)",
     )
     p.add_argument("--out", default=None, help="run folder to write: new or empty (default with --resume: that run)")
     p.add_argument("--resume", default=None, metavar="RUN", help="continue the run in folder RUN from its checkpoint")
@@ -315,6 +344,10 @@ def cli_main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.out is None and a.resume is None:
         p.error("--out is required (or --resume RUN to continue that run in its folder)")
+    if a.config is None:
+        if a.resume is None:
+            p.error("--config is required (with --resume it defaults to the run's config.json)")
+        a.config = str(Path(a.resume) / "config.json")
     out = a.out if a.out is not None else a.resume
     try:  # what the user gave is checked before any server or trainer starts and before anything is written
         cfg = load_config(a.config, a.overrides)
@@ -332,6 +365,9 @@ def cli_main(argv: list[str] | None = None) -> int:
     except ServerStartError as e:  # its message carries the server log's tail
         print(f"error: the SGLang server did not start: {e}", file=sys.stderr)
         return 3
+    except RunStopped as e:  # it names what failed and the command that resumes the run
+        print(f"error: {e}", file=sys.stderr)
+        return 4
     print(json.dumps({k: v for k, v in summary.items() if not isinstance(v, dict | list)}, indent=1))
     say(f"run folder: {out}")
     return 0

@@ -1,0 +1,135 @@
+"""A run folder's checkpoints: written whole or not at all, so `--resume` only ever reads a complete one.
+
+Each checkpoint is a folder DIR/checkpoints/step_NNNNNN (the trainer's distributed checkpoint, the buffer, and
+loop.json written last); DIR/checkpoint is a relative symbolic link to the last complete one. A new checkpoint
+becomes the current one by an atomic rename of a new link over the old (after its files are flushed to disk),
+then the older folders are removed. A save that fails (disk full, permission lost, a rank's write error) removes
+what it wrote and raises `CheckpointError`: the link still names the previous checkpoint, untouched and loadable.
+A driver killed while saving leaves a folder no link names; `clean` removes it when the run resumes.
+
+A run folder written before this layout has DIR/checkpoint as a real folder; it is read the same way, and moves
+under DIR/checkpoints at the next save.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rollverify.app.rundir import CHECKPOINT
+from rollverify.app.rundir import CHECKPOINTS as STORE  # DIR/checkpoints/step_NNNNNN: the checkpoint folders
+
+LOOP_FILE = "loop.json"  # written last: a checkpoint folder without it is incomplete
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written; the previous one (`kept`, None if there is none) is still current."""
+
+    def __init__(self, step: int, kept: int | None, reason: str) -> None:
+        self.step, self.kept, self.reason = step, kept, reason
+        had = f"the checkpoint of step {kept} is kept" if kept is not None else "there is no earlier checkpoint"
+        super().__init__(f"the checkpoint of step {step} could not be written ({reason}); {had}")
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            _fsync(Path(dirpath) / f)
+        _fsync(Path(dirpath))
+
+
+class CheckpointStore:
+    """The checkpoints of run folder `out` (see the module docstring)."""
+
+    def __init__(self, out: str | os.PathLike) -> None:
+        self.out = Path(out)
+        self.link = self.out / CHECKPOINT
+        self.store = self.out / STORE
+
+    def current(self) -> Path | None:
+        """The folder of the last complete checkpoint, None if there is none."""
+        return self.link if (self.link / LOOP_FILE).is_file() else None
+
+    def current_step(self) -> int | None:
+        d = self.current()
+        if d is None:
+            return None
+        try:
+            return int(json.loads((d / LOOP_FILE).read_text())["step"])
+        except (ValueError, KeyError, TypeError, OSError):
+            return None
+
+    def save(self, step: int, write: Callable[[Path], None], state: dict[str, Any]) -> Path:
+        """A checkpoint of `step`: `write(folder)` writes its parts, then `state` goes to loop.json, the files
+        are flushed and the checkpoint becomes current. Raises `CheckpointError` (nothing of it left behind,
+        the previous checkpoint current) when any of that fails with an OSError or `write` raises one of the
+        exceptions `write_errors` lists; other exceptions (a dead trainer rank) propagate after the cleanup."""
+        from megatron_bridge.proxy import RankFailure
+
+        kept = self.current_step()
+        d = self.store / f"step_{step:06d}"
+        if kept is not None and self.link.resolve() == d.resolve():
+            return d  # this step is the current checkpoint already
+        try:
+            if d.exists():
+                shutil.rmtree(d)  # an incomplete folder of an earlier attempt at this step
+            d.mkdir(parents=True)
+            write(d)
+            (d / LOOP_FILE).write_text(json.dumps(state, indent=1) + "\n")
+            _fsync_tree(d)
+            self._point_to(d)
+        except (OSError, RankFailure) as e:
+            shutil.rmtree(d, ignore_errors=True)
+            if isinstance(e, RankFailure) and e.kind != "error":
+                raise
+            raise CheckpointError(step, kept, _reason(e)) from e
+        self._remove_all_but(d)
+        return d
+
+    def _point_to(self, d: Path) -> None:
+        if self.link.is_dir() and not self.link.is_symlink():  # the earlier layout: move it under the store
+            legacy = self.store / "legacy"
+            shutil.rmtree(legacy, ignore_errors=True)
+            self.link.rename(legacy)
+        tmp = self.out / (CHECKPOINT + ".link.tmp")
+        tmp.unlink(missing_ok=True)
+        os.symlink(os.path.relpath(d, self.out), tmp)
+        os.replace(tmp, self.link)
+        _fsync(self.out)
+
+    def _remove_all_but(self, keep: Path) -> None:
+        if not self.store.is_dir():
+            return
+        for entry in self.store.iterdir():  # only what this store writes: anything else there is not its own
+            ours = entry.name.startswith("step_") or entry.name == "legacy"
+            if ours and entry.is_dir() and entry.resolve() != keep.resolve():
+                shutil.rmtree(entry, ignore_errors=True)
+
+    def clean(self) -> None:
+        """Remove what a save that never finished left (folders the link does not name, a stray link file)."""
+        (self.out / (CHECKPOINT + ".link.tmp")).unlink(missing_ok=True)
+        cur = self.current()
+        if cur is not None:
+            self._remove_all_but(cur.resolve())
+        with contextlib.suppress(OSError):
+            shutil.rmtree(self.out / (CHECKPOINT + ".tmp"))  # the earlier layout's temporary folder
+
+
+def _reason(e: BaseException) -> str:
+    if isinstance(e, OSError):
+        return f"{e.strerror or e} ({e.filename})" if e.filename else str(e)
+    lines = [ln for ln in str(e).splitlines() if "Error" in ln]  # a rank's traceback: its last error line
+    return lines[-1].strip() if lines else str(e).splitlines()[0]
