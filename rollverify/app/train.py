@@ -21,6 +21,7 @@ from rollverify.app.console import Progress, quiet_cpu_warnings, say, stage
 from rollverify.app.evaluate import build_evaluator
 from rollverify.app.export import export_dir, export_trainer
 from rollverify.app.start import resolve_model, start_engine, start_trainer
+from rollverify.async_loop import AsyncLoop
 from rollverify.buffer import RolloutBuffer
 from rollverify.loop import Loop
 from rollverify.metrics import MetricsWriter
@@ -74,7 +75,8 @@ class Run:
             raise
         self._train_examples: list = []
         self._stream = self.task.stream("train", seed=cfg.seed)
-        self.loop = Loop(
+        schedule = AsyncLoop if cfg.algo.schedule == "async" else Loop
+        self.loop = schedule(
             cfg.rollout,
             cfg.algo,
             self.engine,
@@ -199,6 +201,8 @@ class Run:
         self.loop.weights.push(self.loop.version)
 
     def close(self) -> None:
+        if isinstance(getattr(self, "loop", None), AsyncLoop):  # a run that failed to start has none
+            self.loop.close()  # its worker thread, once the call in flight returned
         try:
             self.trainer.close()
         finally:
