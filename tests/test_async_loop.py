@@ -246,3 +246,37 @@ def test_async_config_refusals_name_what_to_change():
     with pytest.raises(ValueError, match="AsyncLoop runs algo.schedule: async"):
         make(AlgoConfig())
     replace(AlgoConfig(schedule="async"), mode="partial")
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["algo.schedule=async"], r"cluster\.placement is colocated: set cluster\.placement=disaggregated"),
+    (["algo.schedule=async", "cluster.placement=disaggregated", "cluster.gpus_per_node=1"],
+     r"needs the servers and the trainer on separate GPUs, but the cluster has one"),
+    (["algo.schedule=async", "cluster.placement=disaggregated", "cluster.gpus_per_node=2"],
+     r"cluster\.rollout_gpus: disaggregated needs GPUs for both sides"),
+    (["algo.schedule=async", "cluster.placement=disaggregated", "algo.mode=staleness_filter"],
+     r"algo\.mode 'staleness_filter' has no meaning in algo\.schedule: async"),
+    (["algo.schedule=async", "cluster.placement=disaggregated", "algo.queue_groups=2", "rollout.batch_groups=4"],
+     r"algo\.queue_groups: 2 finished groups would never fill a step"),
+])
+def test_train_refuses_an_async_run_that_cannot_work_before_anything_starts(tmp_path, capsys, overrides, message):
+    from rollverify.app.cli import main as cli_main
+
+    rc = cli_main(["train", "--config", "tiny_cpu", "--out", str(tmp_path / "x"), *overrides])
+    assert rc == 2
+    assert __import__("re").search(message, capsys.readouterr().err)
+    assert not (tmp_path / "x").exists()
+
+
+def test_one_gpu_is_refused_for_the_async_schedule():
+    from rollverify.app.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"the cluster has one"):
+        load_config(None, ["algo.schedule=async", "cluster.placement=colocated", "cluster.gpus_per_node=1"])
+
+
+def test_the_cpu_plan_accepts_the_async_schedule_disaggregated():
+    from rollverify.app.config import load_config
+    from rollverify.app.plan import check
+
+    check(load_config(None, ["algo.schedule=async", "cluster.placement=disaggregated"]))

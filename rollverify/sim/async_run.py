@@ -133,4 +133,7 @@ def simulate_async(mode: str, context: int, cfg: Any, rollout_gpus: int) -> dict
         rollout_gpus=rollout_gpus, trainer_gpus=trainer_gpus, max_staleness=staleness,
         trainer_busy_share=calls.busy_s / clock.now, rollout_idle_share=float(np.sum(idle)) / clock.now,
         first_step_s=steps[0], trained_staleness_max=int(max(stale)), returned_groups=returned,
+        step_s_by_step=[round(x, 2) for x in steps],
+        gpu_days_before_switch=float(np.mean(steps[1:switched_at - 1] if switched_at and switched_at > 2 else steps[1:]))
+        * cfg.paper_steps * cluster.gpus / 86400.0,
     )

@@ -82,6 +82,10 @@ class RunResult:
     trained_staleness_max: int = 0
     returned_groups: int = 0  # groups a step's verification sent back
     split_search: dict[str, float] = field(default_factory=dict)  # rollout GPUs -> GPU-days, when searched
+    step_s_by_step: list[float] = field(default_factory=list)
+    # GPU-days at the mean step before the switch (async: the pipeline's fill left out too): what the schedule
+    # costs while acceptance holds, most of a 500-step run, where `steps` = 20 give the collapse a fifth
+    gpu_days_before_switch: float = math.nan
 
     def row(self) -> dict:
         return asdict(self)
@@ -139,6 +143,9 @@ def simulate(mode: str, context: int, cfg: SimConfig) -> RunResult:
         prefill_share=(engine.prefill_s + engine.verify_prefill_s) / rollout_server_s if rollout_server_s else 0.0,
         verify_share=clock.spent.get("verify", 0.0) / clock.now,
         on_policy_longest_share=float(np.mean(longest)) if longest else math.nan,
+        step_s_by_step=[round(x, 2) for x in steps],
+        gpu_days_before_switch=float(np.mean(steps[:switched_at - 1] if switched_at and switched_at > 1 else steps))
+        * cfg.paper_steps * cfg.cluster.gpus / SECONDS_PER_DAY,
     )
 
 
