@@ -319,7 +319,13 @@ class AsyncLoop:
             self.switch = ConditionalSwitch.from_state(state["switch"])
 
     def close(self) -> None:
-        self.calls.close()
+        """The engines stop generating (servers given by `rollout.endpoints` outlive the run; what they hold since
+        the last step is not the run's any more) and the worker thread ends."""
+        try:
+            if self.fallback is None and not self.engine.paused:
+                self.engine.pause()
+        finally:
+            self.calls.close()
 
 
 def take_metrics(outcomes: list[VerifyOutcome]) -> dict[str, Any]:

@@ -201,15 +201,17 @@ class Run:
         self.loop.weights.push(self.loop.version)
 
     def close(self) -> None:
-        if isinstance(getattr(self, "loop", None), AsyncLoop):  # a run that failed to start has none
-            self.loop.close()  # its worker thread, once the call in flight returned
         try:
-            self.trainer.close()
+            if isinstance(getattr(self, "loop", None), AsyncLoop):  # a run that failed to start has none
+                self.loop.close()  # the engines paused, its worker thread ended
         finally:
             try:
-                self.engine.close(shutdown=not self.cfg.rollout.endpoints)
+                self.trainer.close()
             finally:
-                self._close_cluster()
+                try:
+                    self.engine.close(shutdown=not self.cfg.rollout.endpoints)
+                finally:
+                    self._close_cluster()
 
 
 def train(
