@@ -319,11 +319,14 @@ class AsyncLoop:
             self.switch = ConditionalSwitch.from_state(state["switch"])
 
     def close(self) -> None:
-        """The engines stop generating (servers given by `rollout.endpoints` outlive the run; what they hold since
-        the last step is not the run's any more) and the worker thread ends."""
+        """The engines stop generating and forget the run's responses (servers given by `rollout.endpoints`
+        outlive the run; a resumed run resubmits from its checkpoint's buffer), and the worker thread ends."""
         try:
-            if self.fallback is None and not self.engine.paused:
-                self.engine.pause()
+            if self.fallback is None:
+                if not self.engine.paused:
+                    self.engine.pause()
+                if held := self.engine.response_ids():
+                    self.engine.drop(sorted(held))
         finally:
             self.calls.close()
 

@@ -111,7 +111,7 @@ def test_the_trainer_runs_while_the_engines_generate_and_every_trained_token_is_
     assert engine.clock.spent.get("idle", 0.0) < engine.clock.now  # the servers did not wait out the trainer
     assert not engine.paused
     loop.close()
-    assert engine.paused  # nothing generates for a run that ended
+    assert engine.paused and not engine.response_ids()  # nothing generates or stays held for a run that ended
 
 
 def test_a_returned_group_s_cut_responses_regenerate_their_suffixes_under_the_newest_version():
