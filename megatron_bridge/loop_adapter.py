@@ -46,13 +46,22 @@ class LoopTrainer:
         counts = [len(r.token_ids) for r in responses]
         return [a.astype(np.float32) for a in np.split(flat, np.cumsum(counts)[:-1])]
 
+    def old_logprobs(self, responses: Sequence[Response], temperature: float) -> list[np.ndarray]:
+        if not responses:
+            return []
+        flat = self.trainer.old_logprobs([train_sequence(r) for r in responses], temperature=temperature)
+        counts = [len(r.token_ids) for r in responses]
+        return [a.astype(np.float32) for a in np.split(flat, np.cumsum(counts)[:-1])]
+
     def train_step(self, responses: Sequence[Response], advantages: np.ndarray, temperature: float,
-                   policy_version: int) -> dict:
+                   policy_version: int, old_logprobs: Sequence[np.ndarray] | None = None) -> dict:
         adv = np.asarray(advantages, dtype=np.float32).reshape(-1)
         if adv.size != len(responses):
             raise ValueError(f"{adv.size} advantages for {len(responses)} responses (one each)")
         seqs = [train_sequence(r, float(a)) for r, a in zip(responses, adv, strict=True)]
-        return self.trainer.train_step(seqs, temperature=temperature, policy_version=policy_version)
+        old = None if old_logprobs is None else np.concatenate([np.asarray(a, np.float32) for a in old_logprobs])
+        return self.trainer.train_step(seqs, temperature=temperature, policy_version=policy_version,
+                                       old_logprobs=old)
 
     def export_weights(self) -> Iterator[list[tuple[str, object]]]:
         return buckets(self.trainer.iter_hf_tensors(), self.bucket_bytes)

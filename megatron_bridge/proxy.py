@@ -110,7 +110,13 @@ class TrainerProxy:
         routes = lay.moe and (lay.replay_verify if replay is None else replay)
         return self._by_share("compute_logprobs", batch, routes, replay=replay, temperature=temperature)
 
-    def train_step(self, batch, *, temperature: float = 1.0, policy_version: int | None = None) -> dict[str, float]:
+    def old_logprobs(self, batch, *, temperature: float = 1.0):
+        """What `train_step` would recompute first (`MegatronTrainer.old_logprobs`), flat over the whole batch."""
+        lay = self.batch_layout()
+        return self._by_share("old_logprobs", batch, lay.moe and lay.replay_train, temperature=temperature)
+
+    def train_step(self, batch, *, temperature: float = 1.0, policy_version: int | None = None,
+                   old_logprobs=None) -> dict[str, float]:
         lay = self.batch_layout()
         for i, s in enumerate(sequences(batch)):  # what train_step refuses, refused before any rank starts
             if s.advantage is None:
@@ -118,7 +124,7 @@ class TrainerProxy:
             if lay.use_tis and s.rollout_logprobs is None:
                 raise ValueError(f"sequence {i} has no rollout log-probs (needed for TIS; set use_tis=False)")
         return self._by_share("train_step", batch, lay.moe and lay.replay_train, temperature=temperature,
-                              policy_version=policy_version)
+                              policy_version=policy_version, old_logprobs=old_logprobs)
 
     def loss_on(self, batch, old_logprobs, *, temperature: float = 1.0) -> dict[str, float]:
         lay = self.batch_layout()

@@ -175,17 +175,29 @@ class MegatronTrainer:
         lps, ents = self._logprobs(seqs, use_replay, temperature)
         return np.concatenate(lps).astype(np.float32), np.concatenate(ents).astype(np.float32)
 
+    @_needs("params")
+    def old_logprobs(self, batch: Sequence[TrainSequence], *, temperature: float = 1.0) -> np.ndarray:
+        """The old log-probs `train_step` recomputes first (same routing as the training forward), flat float32 in
+        batch order: computed ahead (the asynchronous schedule verifies with them) and handed back to the step."""
+        use_replay = self.cfg.replay_train and self.arch.moe
+        seqs = self._checked(batch, use_replay)
+        if not seqs:
+            return np.zeros(0, np.float32)
+        lps, _ = self._logprobs(seqs, use_replay, temperature)
+        return np.concatenate(lps).astype(np.float32)
+
     # ------------------------------------------------------------------------------------------ train
 
     @_needs(*KINDS)
     def train_step(self, batch: Sequence[TrainSequence], *, temperature: float = 1.0,
-                   policy_version: int | None = None) -> dict[str, float]:
+                   policy_version: int | None = None, old_logprobs: np.ndarray | None = None) -> dict[str, float]:
         """One optimizer step of the GRPO loss on `batch` (sequences with advantages and rollout log-probs).
         `policy_version`: the version of the weights held now, which splits the engine/trainer mismatch from
         the drift of older tokens (`policy_loss.mismatch`).
 
         The old log-probs of the ratio are recomputed here, before the step, with the same routing as the
-        training forward, and feed TIS: `w = min(exp(lp_old_train - lp_rollout), C)` (detached).
+        training forward (or taken from `old_logprobs`: what `old_logprobs` returned for this batch at these
+        weights, flat), and feed TIS: `w = min(exp(lp_old_train - lp_rollout), C)` (detached).
         """
         t0 = time.perf_counter()
         seqs = rank_batch(batch, self.micro.dp, self.micro.dp_rank)
@@ -200,7 +212,14 @@ class MegatronTrainer:
                 raise ValueError(f"sequence {i} has no rollout log-probs (needed for TIS; set use_tis=False)")
         use_replay = self.cfg.replay_train and self.arch.moe
         seqs = self._checked(seqs, use_replay)
-        old, _ = self._logprobs(seqs, use_replay, temperature)
+        if old_logprobs is None:
+            old, _ = self._logprobs(seqs, use_replay, temperature)
+        else:
+            counts = seqs.gen_counts  # every sequence's, this rank's share or not: the array is the whole batch's
+            flat = np.asarray(old_logprobs, np.float32).reshape(-1)
+            if flat.size != sum(counts):
+                raise ValueError(f"old_logprobs: {flat.size} values for {sum(counts)} generated tokens (one each)")
+            old = np.split(flat, np.cumsum(counts)[:-1])
         t_old = time.perf_counter() - t0
 
         self.model.train()

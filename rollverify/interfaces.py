@@ -107,12 +107,19 @@ class Trainer(Protocol):
     def compute_logprobs(self, responses: Sequence[Response], temperature: float) -> list[np.ndarray]:
         """Log-probs of each response's tokens (environment ones included) under the current policy (float32)."""
 
+    def old_logprobs(self, responses: Sequence[Response], temperature: float) -> list[np.ndarray]:
+        """The log-probs a `train_step` on these responses would recompute first as its "old" ones (the current
+        policy, the step's routing): the asynchronous schedule verifies with them and hands them back to the
+        step (`old_logprobs=`), so the pass runs once."""
+
     def train_step(
-        self, responses: Sequence[Response], advantages: np.ndarray, temperature: float, policy_version: int
+        self, responses: Sequence[Response], advantages: np.ndarray, temperature: float, policy_version: int,
+        old_logprobs: Sequence[np.ndarray] | None = None,
     ) -> dict:
         """One optimizer step on these responses (one advantage each) from the policy of `policy_version` (tokens
         of that version were sampled by the weights the trainer holds): log-probs over the whole sequence, the
-        loss, TIS and its token-mean denominator over policy tokens only; returns metrics."""
+        loss, TIS and its token-mean denominator over policy tokens only; returns metrics. `old_logprobs`: what
+        `old_logprobs` returned for them under the weights held now (the step then does not recompute them)."""
 
     def export_weights(self) -> Iterator[list[tuple[str, object]]]:
         """The current policy in HF naming, in buckets, for the engines."""

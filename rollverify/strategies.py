@@ -34,6 +34,9 @@ from rollverify.verify import VerifyResult, token_ops, two_stage_verify_ops
 MODES = ("on_policy", "partial", "staleness_filter", "ops_filter", "rollverify")
 ESTIMATORS = ("window", "ema")
 VERIFY_ON = ("trainer", "engine")  # who computes the new log-probs of carried tokens (rollverify/loop.py)
+SCHEDULES = ("alternating", "async")  # rollverify/loop.py; rollverify/async_loop.py
+ASYNC_MODES = ("rollverify", "partial")  # the modes the asynchronous schedule runs (partial: unverified baseline)
+FALLBACKS = ("on_policy", "alternating")  # where the asynchronous schedule's conditional switch goes
 
 NewLogprobs = Sequence[np.ndarray | Tensor] | Tensor | None
 
@@ -60,6 +63,16 @@ class AlgoConfig:
     adv_use_std: bool = True  # GRPO advantages: divide by the group's reward std (false: Dr. GRPO)
     # the new log-probs of the carried tokens even in the modes that do not verify (their ops_mean)
     monitor_ops: bool = True
+    # alternating: rollout, train, verify, resync take turns (rollverify/loop.py); async: servers generate
+    # continuously and the trainer takes finished groups from a queue (rollverify/async_loop.py)
+    schedule: str = "alternating"
+    # async: versions a trained token may lag the trainer's (a backstop: verification is the guard); a response
+    # holding an older token restarts, so it must exceed the steps the longest response takes to generate
+    max_staleness: int = 8
+    queue_groups: int = 0  # async: finished groups waiting for the trainer at which no new group launches (0: B)
+    # async: where the conditional switch goes once acceptance stays low: on_policy (as the alternating loop's
+    # switch), or the alternating loop with a fresh switch of its own
+    fallback: str = "on_policy"
 
     def __post_init__(self) -> None:
         def bad(key: str, allowed: str) -> ValueError:
@@ -86,6 +99,21 @@ class AlgoConfig:
             raise bad("ema_alpha", "a number in (0, 1]")
         if self.verify_on not in VERIFY_ON:
             raise bad("verify_on", f"one of {VERIFY_ON}")
+        if self.schedule not in SCHEDULES:
+            raise bad("schedule", f"one of {SCHEDULES}")
+        for key in ("max_staleness", "queue_groups"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise bad(key, "an integer >= 0")
+        if self.fallback not in FALLBACKS:
+            raise bad("fallback", f"one of {FALLBACKS}")
+        if self.schedule == "async" and self.mode not in ASYNC_MODES:
+            raise ValueError(
+                f"algo.mode {self.mode!r} has no meaning in algo.schedule: async (the trainer takes whatever groups "
+                f"finished; nothing waits for a phase): use algo.mode rollverify (every trained token verified) or "
+                f"partial (the unverified asynchronous baseline, bounded by algo.max_staleness), or "
+                f"algo.schedule=alternating"
+            )
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> AlgoConfig:

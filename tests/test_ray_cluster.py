@@ -235,3 +235,28 @@ def test_a_killed_trainer_rank_actor_is_replaced_from_the_checkpoint(ray_cluster
     finally:
         stop.set()
         run.close()
+
+
+@pytest.mark.slow
+def test_async_schedule_over_two_nodes_with_the_distributed_transport(ray_cluster, tmp_path):
+    """algo.schedule: async, disaggregated: the Ray run's own transport (trainer rank 0 broadcasts each version
+    over a gloo group to both servers) publishes while the servers generate; every trained token verified."""
+    from test_async_e2e import check_verified, watch_trainer
+
+    from rollverify.app.train import Run
+    from rollverify.app.weight_transport import TransportWeights
+
+    cfg = load_config(None, [*SMALL, "trainer.steps=3", "algo.schedule=async", "algo.mode=rollverify",
+                             "cluster.placement=disaggregated", f"cluster.address={ray_cluster.address}",
+                             "model.moe=true", "model.task=null", f"task.reward={REWARD}"])
+    run = Run(cfg, tmp_path)
+    try:
+        assert isinstance(run.loop.weights, TransportWeights) and run.loop.weights.kind == "distributed"
+        steps = watch_trainer(run)
+        rows = [run.loop.run_step().metrics for _ in range(3)]  # run_step checks the ledger every step
+        assert [r["policy_version"] for r in rows] == [1, 2, 3]
+        assert run.loop.ledger.trained == 3 * 2 * 2
+        assert [h["version"] for h in run.engine.health()] == [3, 3]
+        check_verified(steps, cfg)
+    finally:
+        run.close()

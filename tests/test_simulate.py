@@ -256,3 +256,25 @@ def test_the_tool_model_is_learnt_from_a_runs_metrics(tmp_path):
         ToolModel.fit([{"step": 1, "reward_mean": 0.5}])
     (tmp_path / "run").mkdir()
     assert cli(["simulate", "--out", str(tmp_path / "o"), "--tools-from", str(tmp_path / "run")]) == 2
+
+
+def test_the_async_schedule_runs_disaggregated_and_the_split_is_searched():
+    from rollverify.sim.run import simulate_split
+
+    tail = replace(SMALL, workload=replace(SMALL.workload, sigma_response=1.2), drift=DriftModel(sigma=0.006, growth=0.0),
+                   split_candidates=(2, 3))
+    on = simulate("on_policy", 16384, tail)
+    runs = {m: simulate_split(m, 16384, tail, log=lambda *_: None) for m in ("async_rollverify", "async_partial")}
+    for r in runs.values():
+        assert r.rollout_gpus + r.trainer_gpus == 4 and set(r.split_search) == {"2", "3"}
+        assert round(r.gpu_days, 2) == min(r.split_search.values())
+        assert 0 < r.trainer_busy_share <= 1 and r.trained_staleness_max <= tail.algo.max_staleness
+        assert r.gpu_days < on.gpu_days  # the long tail no longer holds the step up
+    rv, partial = runs["async_rollverify"], runs["async_partial"]
+    assert partial.cut_fraction == 0 and rv.cut_fraction > 0 and rv.returned_groups > 0
+    assert 0 < rv.acceptance_mean < 1
+
+
+def test_cli_refuses_a_split_that_leaves_a_side_without_gpus(capsys, tmp_path):
+    assert cli(["simulate", "--modes", "async_rollverify", "--rollout-gpus", "32", "--out", str(tmp_path / "x")]) == 2
+    assert "--rollout-gpus" in capsys.readouterr().err and not (tmp_path / "x").exists()

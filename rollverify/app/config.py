@@ -318,6 +318,7 @@ class RunConfig:
                 f"cluster.nodes: the local launcher runs on this machine only, got {c.nodes} nodes; "
                 "set cluster.launcher=ray"
             )
+        self._check_schedule()
         if self.trainer.offload_between_phases and (c.launcher, c.placement) != ("ray", "colocated"):
             raise ConfigError(
                 f"trainer.offload_between_phases: only a colocated Ray run hands GPU memory between trainer and "
@@ -339,10 +340,34 @@ class RunConfig:
                 f"cluster.rollout_gpus: colocated servers share every GPU with the trainer, got {c.rollout_gpus}; "
                 "set it to 0 or cluster.placement=disaggregated"
             )
-        if c.placement == "disaggregated" and not 0 < c.rollout_gpus < c.gpus:
+        if c.placement == "disaggregated" and (c.gpus or c.rollout_gpus) and not 0 < c.rollout_gpus < c.gpus:
             raise ConfigError(
                 f"cluster.rollout_gpus: disaggregated needs GPUs for both sides, 0 < rollout_gpus < "
                 f"nodes*gpus_per_node = {c.gpus}, got {c.rollout_gpus}"
+                + ("" if c.gpus else " (on CPU, gpus_per_node 0, leave it 0: servers and ranks are processes)")
+            )
+
+    def _check_schedule(self) -> None:
+        """The asynchronous schedule needs the servers and the trainer on their own devices at once."""
+        c, a = self.cluster, self.algo
+        if a.schedule != "async":
+            return
+        if c.gpus == 1:
+            raise ConfigError(
+                "algo.schedule: async needs the servers and the trainer on separate GPUs, but the cluster has one "
+                "(cluster.nodes*gpus_per_node = 1): add GPUs (cluster.rollout_gpus of them for the servers), or "
+                "algo.schedule=alternating"
+            )
+        if c.placement != "disaggregated":
+            raise ConfigError(
+                "algo.schedule: async generates while the trainer trains, so each side needs its own devices, but "
+                f"cluster.placement is {c.placement}: set cluster.placement=disaggregated (on GPUs with "
+                "cluster.rollout_gpus for the servers), or algo.schedule=alternating"
+            )
+        if a.queue_groups and a.queue_groups < self.rollout.batch_groups:
+            raise ConfigError(
+                f"algo.queue_groups: {a.queue_groups} finished groups would never fill a step of "
+                f"rollout.batch_groups = {self.rollout.batch_groups}: set it >= {self.rollout.batch_groups} or 0"
             )
 
     def _check_reward_and_eval(self, check_task: bool) -> None:

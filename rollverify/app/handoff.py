@@ -189,6 +189,16 @@ class MeteredTrainer:
         self._measured()
         return out
 
+    def old_logprobs(self, *args: Any, **kwargs: Any) -> list:
+        """The train step's first pass computed ahead (the asynchronous schedule verifies with it): a no-grad
+        forward, in the train phase."""
+        if self.book.phase != "train":
+            self.book.enter("train")
+        with self.book.resident(EXPORT_KINDS), self.book.computing("forward"):
+            out = self.trainer.old_logprobs(*args, **kwargs)
+        self._measured()
+        return out
+
     def compute_logprobs(self, *args: Any, **kwargs: Any) -> list:
         if self.book.phase == "train":
             self.book.enter("verify")

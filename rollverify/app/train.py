@@ -17,12 +17,13 @@ from pathlib import Path
 
 from rollverify.app import rundir
 from rollverify.app.checkpoints import LOOP_FILE, CheckpointStore
-from rollverify.app.config import RunConfig, load_config
+from rollverify.app.config import ConfigError, RunConfig, load_config
 from rollverify.app.console import Progress, quiet_cpu_warnings, say, stage
 from rollverify.app.evaluate import build_evaluator
 from rollverify.app.export import export_dir, export_trainer
 from rollverify.app.recovery import RunStopped, Supervisor, resume_command
 from rollverify.app.start import build_tool_turns, resolve_model, start_engine, start_trainer
+from rollverify.async_loop import AsyncLoop
 from rollverify.buffer import RolloutBuffer
 from rollverify.loop import Loop
 from rollverify.metrics import MetricsWriter
@@ -52,6 +53,9 @@ class Run:
         self.task = get_task(cfg.task.name, **cfg.task.options)
         self.score = task_reward(self.task, cfg.task.reward)
         self.tools = build_tool_turns(cfg, self.task, self.tokenizer)  # None: a single-turn task
+        if self.tools is not None and cfg.algo.schedule == "async":
+            raise ConfigError(f"algo.schedule: async does not run tool turns, and task {cfg.task.name!r} is "
+                              "multi-turn: set algo.schedule=alternating")
         self.render = PromptRenderer(self.tokenizer, getattr(self.task, "chat_template", "auto"), source=self.model_path,
                                      tools=self.tools.schemas() if self.tools else None)
         self.evaluator = build_evaluator(cfg, self.task, self.tokenizer, self.score, self.tools) \
@@ -121,13 +125,17 @@ class Run:
 
         return make_weights(self.cfg, engine, trainer, self.handoff)
 
-    def _make_loop(self, weights) -> Loop:
-        """A fresh loop over the current engine, trainer and weight sync."""
+    def _make_loop(self, weights) -> Loop | AsyncLoop:
+        """A fresh loop of the configured schedule over the current engine, trainer and weight sync."""
         from rollverify.app.handoff import MeteredTrainer
 
-        return Loop(self.cfg.rollout, self.cfg.algo, self.engine,
-                    MeteredTrainer(self.trainer, self.book, measure=self.cfg.cluster.gpus_per_node > 0),
-                    make_group=self.make_group, reward=self.reward, weights=weights, tools=self.tools)
+        cfg = self.cfg
+        trainer = MeteredTrainer(self.trainer, self.book, measure=cfg.cluster.gpus_per_node > 0)
+        if cfg.algo.schedule == "async":  # config validation refuses it with tools
+            return AsyncLoop(cfg.rollout, cfg.algo, self.engine, trainer, make_group=self.make_group,
+                             reward=self.reward, weights=weights)
+        return Loop(cfg.rollout, cfg.algo, self.engine, trainer, make_group=self.make_group, reward=self.reward,
+                    weights=weights, tools=self.tools)
 
     def _start_trainer(self):
         from megatron_bridge.loop_adapter import LoopTrainer
@@ -216,6 +224,8 @@ class Run:
         from rollverify.app.recovery import forget_responses
 
         self.close_trainer()
+        if isinstance(self.loop, AsyncLoop):  # its trainer thread ends with the failed call
+            self.loop.close()
         if self.tools is not None:  # calls in flight belong to the lost steps' responses
             self.tools.abandon()
         self.trainer = self._staged_trainer()
@@ -244,12 +254,16 @@ class Run:
         if self.tools is not None:
             self.tools.close()
         try:
-            self.trainer.close()
+            if isinstance(getattr(self, "loop", None), AsyncLoop):  # a run that failed to start has none
+                self.loop.close()  # the engines paused, its worker thread ended
         finally:
             try:
-                self.engine.close(shutdown=not self.cfg.rollout.endpoints)
+                self.trainer.close()
             finally:
-                self._close_cluster()
+                try:
+                    self.engine.close(shutdown=not self.cfg.rollout.endpoints)
+                finally:
+                    self._close_cluster()
 
 
 def train(

@@ -214,6 +214,8 @@ class SimEngine:
         self.prefill_s = 0.0  # server-seconds of prefill on admission
         self.verify_prefill_s = 0.0  # server-seconds of compute_logprobs' prefill (owed like an admission's)
         self.decode_iterations = 0.0  # server-iterations (real tokens of the longest running sequence)
+        # no wait_finished runs past this moment (the asynchronous schedule's next trainer event: `SimCalls`)
+        self.horizon = math.inf
         self._cap = 0
         self._grow(1024)
 
@@ -340,12 +342,13 @@ class SimEngine:
         return bool(self.active.any()) or any(t.wake is not None for t in self.tracked.values())
 
     def wait_finished(self, timeout: float) -> list[Chunk]:
-        if self.paused or not self._live():
+        if self.paused or not self._live() or self.clock.now >= self.horizon:
             return []
         out: list[Chunk] = []
-        while not out and self._live():  # block until the first finish, then collect those of the next poll_s
-            out = self._finish(self._step())
-        deadline = self.clock.now + self.poll_s
+        # block until the first finish (or the horizon), then collect those of the next poll_s
+        while not out and self._live() and self.horizon - self.clock.now > 1e-9:
+            out = self._finish(self._step(self.horizon - self.clock.now))
+        deadline = min(self.clock.now + self.poll_s, self.horizon)
         while self._live() and deadline - self.clock.now > 1e-6:
             out += self._finish(self._step(deadline - self.clock.now))
         return out
@@ -375,14 +378,20 @@ class SimEngine:
         return out
 
     def truncate(self, keep: dict[str, int]) -> None:
+        """Cut each response; a finished one cut short is revived, and launched at once unless the engine is
+        paused (as the SGLang extension does)."""
         for rid, k in keep.items():
             t = self.tracked[rid]
             if t.slot >= 0:
                 raise RuntimeError(f"truncate of {rid} while it runs: pause the engine first")
+            revived = t.done and int(k) < t.length
             if t.wake is not None and int(k) < t.length:  # the call was cut: it is made again when reached
                 t.wake = None
             t.length = t.reported = int(k)
-            t.done = False
+            if revived:
+                t.done = False
+                if not self.paused:
+                    self._admit(rid, t)
 
     def drop(self, response_ids: Iterable[str]) -> None:
         for rid in response_ids:
@@ -444,6 +453,7 @@ class SimTrainer:
                  seed: int = 0) -> None:
         self.cost, self.drift, self.clock, self.unit = cost, drift, clock, unit
         self.total_steps, self.seed = total_steps, seed
+        self.step_overhead_s = 0.0  # per step beyond the 6 N (disaggregated: rewards, data; colocated: in the sync)
         self.version = 0
         self.trained_tokens = 0.0
         self.verified_tokens = 0.0
@@ -458,12 +468,20 @@ class SimTrainer:
         progress = self.version / self.total_steps
         return [self.drift.new_logprobs(self.seed, r, self.version, progress, self.unit) for r in responses]
 
+    def old_logprobs(self, responses: Sequence[Response], temperature: float) -> list[np.ndarray]:
+        """The step's old-log-prob pass, computed ahead (the asynchronous schedule verifies with it): a forward
+        (2 N per token) on the trainer's GPUs, the log-probs of the version it holds."""
+        self.clock.advance(self.cost.forward(self._tokens(responses)), "old_logprob")
+        progress = self.version / self.total_steps
+        return [self.drift.new_logprobs(self.seed, r, self.version, progress, self.unit) for r in responses]
+
     def train_step(
-        self, responses: Sequence[Response], advantages: np.ndarray, temperature: float, policy_version: int
+        self, responses: Sequence[Response], advantages: np.ndarray, temperature: float, policy_version: int,
+        old_logprobs: Sequence[np.ndarray] | None = None,
     ) -> dict:
         tokens = self._tokens(responses)
         self.trained_tokens += tokens
-        self.clock.advance(self.cost.train(tokens), "train")
+        self.clock.advance(self.cost.train(tokens) + self.step_overhead_s, "train")
         self.version += 1
         return {"loss": 0.0}
 

@@ -14,12 +14,14 @@ from pathlib import Path
 import numpy as np
 
 from rollverify.loop import Loop, RolloutConfig
+from rollverify.sim.async_run import ASYNC_MODES, simulate_async
 from rollverify.sim.cost import GPUS, ClusterSpec, CostModel, ModelSpec
 from rollverify.sim.engine import DriftModel, SimClock, SimEngine, SimTrainer, ToolModel, Workload
 from rollverify.strategies import VERIFY_ON, AlgoConfig
 from rollverify.types import Group
 
-MODES = ("on_policy", "partial", "rollverify")
+MODES = ("on_policy", "partial", "rollverify")  # the alternating loop, colocated (the default run)
+ALL_MODES = (*MODES, *ASYNC_MODES)  # and the asynchronous schedule, disaggregated (rollverify.sim.async_run)
 CONTEXTS = (8192, 16384, 32768, 65536)
 # The paper's Table 7 (Qwen3-8B-Base, 32 H800, batch 128 x 8, 500 iterations): GPU-days on_policy, rollverify.
 PAPER_TABLE7 = {8192: (16.6, 15.1), 32768: (98.1, 57.5), 65536: (261.0, 137.0)}
@@ -47,6 +49,11 @@ class SimConfig:
     steps: int = 20  # simulated optimizer steps standing for paper_steps; drift progress is step / steps
     paper_steps: int = 500  # GPU-days are for this many steps (mean simulated step time x paper_steps)
     seed: int = 0
+    # --- the asynchronous schedule (disaggregated) ---
+    rollout_gpus: int = 0  # GPUs of the servers (the rest train); 0: the best of `split_candidates`
+    split_candidates: tuple[int, ...] = (16, 20, 24, 28)
+    async_pause_s: float = 3.0  # per publish besides the weight broadcast: pause, commit, resume
+    async_trainer_overhead_s: float = 5.0  # per step on the trainer besides its passes: rewards, data, the step's launch
 
 
 @dataclass
@@ -69,6 +76,20 @@ class RunResult:
     tool_calls_per_step: float = 0.0  # tool calls made per step (ToolModel)
     tool_s_per_step: float = 0.0  # their latency summed
     tool_idle_share: float = 0.0  # of the rollout time: every live sequence waited on a call
+    # --- the asynchronous schedule only ---
+    rollout_gpus: int = 0  # GPUs serving rollouts (0: colocated, all of them take turns)
+    trainer_gpus: int = 0
+    max_staleness: int = 0  # the staleness bound it ran with
+    trainer_busy_share: float = math.nan  # of the run: the trainer's GPUs working
+    rollout_idle_share: float = math.nan  # of the run: the servers with nothing to generate
+    first_step_s: float = math.nan  # the pipeline's fill (left out of step_s_mean)
+    trained_staleness_max: int = 0
+    returned_groups: int = 0  # groups a step's verification sent back
+    split_search: dict[str, float] = field(default_factory=dict)  # rollout GPUs -> GPU-days, when searched
+    step_s_by_step: list[float] = field(default_factory=list)
+    # GPU-days at the mean step before the switch (async: the pipeline's fill left out too): what the schedule
+    # costs while acceptance holds, most of a 500-step run, where `steps` = 20 give the collapse a fifth
+    gpu_days_before_switch: float = math.nan
 
     def row(self) -> dict:
         return asdict(self)
@@ -129,6 +150,9 @@ def simulate(mode: str, context: int, cfg: SimConfig) -> RunResult:
         tool_calls_per_step=engine.tool_calls / cfg.steps,
         tool_s_per_step=engine.tool_s / cfg.steps,
         tool_idle_share=engine.tool_idle_s / clock.spent["rollout"] if clock.spent.get("rollout") else 0.0,
+        step_s_by_step=[round(x, 2) for x in steps],
+        gpu_days_before_switch=float(np.mean(steps[:switched_at - 1] if switched_at and switched_at > 1 else steps))
+        * cfg.paper_steps * cfg.cluster.gpus / SECONDS_PER_DAY,
     )
 
 
@@ -139,19 +163,34 @@ def _alone(cost: CostModel, workload: Workload, units: int) -> float:
     return float(np.sum(cost.decode_iteration(1.0, ctx)) * workload.token_unit) or math.nan
 
 
+def simulate_split(mode: str, context: int, cfg: SimConfig, log=print) -> RunResult:
+    """An asynchronous mode on `cfg.rollout_gpus` server GPUs, or on the best of `cfg.split_candidates`."""
+    if cfg.rollout_gpus:
+        return RunResult(**simulate_async(mode, context, cfg, cfg.rollout_gpus))
+    runs = {}
+    for g in cfg.split_candidates:
+        runs[g] = RunResult(**simulate_async(mode, context, cfg, g))
+        log(f"       {mode} {g} rollout / {cfg.cluster.gpus - g} trainer GPUs: {runs[g].gpu_days:.1f} GPU-days")
+    best = min(runs.values(), key=lambda r: r.gpu_days)
+    best.split_search = {str(g): round(r.gpu_days, 2) for g, r in runs.items()}
+    return best
+
+
 def run_all(cfg: SimConfig, contexts=CONTEXTS, modes=MODES, log=print) -> dict:
     results: dict[int, dict[str, RunResult]] = {}
     for context in contexts:
         results[context] = {}
         for mode in modes:
             start = time.perf_counter()
-            r = simulate(mode, context, cfg)
+            r = simulate_split(mode, context, cfg, log) if mode in ASYNC_MODES else simulate(mode, context, cfg)
             results[context][mode] = r
-            log(f"  {context // 1024:>3}K {mode:<10} {r.gpu_days:8.1f} GPU-days  step {r.step_s_mean:7.1f} s  "
-                f"verify {r.verify_share:5.1%} of it  acceptance {r.acceptance_mean:.3f}  switched at {r.switched_at}  "
-                + (f"tools {r.tool_calls_per_step:.0f} calls {r.tool_s_per_step:.0f} s/step, all waiting "
-                   f"{r.tool_idle_share:.1%} of rollout  " if r.tool_calls_per_step else "")
-                + f"({time.perf_counter() - start:.1f} s to simulate)")
+            split = f"  {r.rollout_gpus} rollout GPUs, staleness <= {r.trained_staleness_max}" if r.rollout_gpus else ""
+            log(f"  {context // 1024:>3}K {mode:<16} {r.gpu_days:8.1f} GPU-days  step {r.step_s_mean:7.1f} s  "
+                f"verify {r.verify_share:5.1%} of it  acceptance {r.acceptance_mean:.3f}  switched at {r.switched_at}"
+                + split
+                + (f"  tools {r.tool_calls_per_step:.0f} calls {r.tool_s_per_step:.0f} s/step, all waiting "
+                   f"{r.tool_idle_share:.1%} of rollout" if r.tool_calls_per_step else "")
+                + f"  ({time.perf_counter() - start:.1f} s to simulate)")
     return {"config": _config_dict(cfg), "results": results, "comparison": compare(results)}
 
 
@@ -187,6 +226,25 @@ def table(rows: list[dict]) -> str:
             f"{r['context'] // 1024:>7}K{f('on_policy_gpu_days', '.1f'):>11}{f('partial_gpu_days', '.1f'):>10}"
             f"{f('rollverify_gpu_days', '.1f'):>11}{f('partial_ratio', '.3f'):>11}{f('rollverify_ratio', '.3f'):>8}"
             f"{f('paper_ratio', '.3f'):>13}{err:>8}  {paper}"
+        )
+    return "\n".join(lines)
+
+
+def async_table(rows: list[dict]) -> str:
+    """The asynchronous schedule's GPU-days and ratios to on_policy (and to colocated rollverify)."""
+    head = (f"{'context':>8}{'on_policy':>11}{'rollverify':>11}{'async_rv':>10}{'async_partial':>15}{'rv/on':>8}"
+            f"{'async_rv/on':>13}{'async_partial/on':>18}{'async_rv/rv':>13}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        def f(key: str, fmt: str, r: dict = r) -> str:
+            return format(r[key], fmt) if key in r else "-"
+        rv = (f"{r['async_rollverify_gpu_days'] / r['rollverify_gpu_days']:.3f}"
+              if "async_rollverify_gpu_days" in r and "rollverify_gpu_days" in r else "-")
+        lines.append(
+            f"{r['context'] // 1024:>7}K{f('on_policy_gpu_days', '.1f'):>11}{f('rollverify_gpu_days', '.1f'):>11}"
+            f"{f('async_rollverify_gpu_days', '.1f'):>10}{f('async_partial_gpu_days', '.1f'):>15}"
+            f"{f('rollverify_ratio', '.3f'):>8}{f('async_rollverify_ratio', '.3f'):>13}"
+            f"{f('async_partial_ratio', '.3f'):>18}{rv:>13}"
         )
     return "\n".join(lines)
 
@@ -239,7 +297,10 @@ def cli_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="rollverify simulate", description=__doc__)
     p.add_argument("--out", default="runs/simulate", help="folder for simulate.json and simulate.png")
     p.add_argument("--contexts", type=int, nargs="+", default=list(CONTEXTS), help="context limits in tokens")
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=ALL_MODES,
+                   help="async_rollverify / async_partial: the asynchronous schedule, disaggregated")
+    p.add_argument("--rollout-gpus", type=int, default=0,
+                   help="asynchronous modes: GPUs of the servers (the rest train); 0: search 16/20/24/28 of 32")
     p.add_argument("--gpu", default="H800", choices=sorted(GPUS))
     p.add_argument("--gpus", type=int, default=32)
     p.add_argument("--tp", type=int, default=1)
@@ -279,7 +340,11 @@ def cli_main(argv: list[str] | None = None) -> int:
             a.tool_calls, a.tool_alpha = tools.max_calls, tools.alpha
             a.tool_latency, a.tool_sigma = tools.latency_median_s, tools.latency_sigma
         cfg = SimConfig(cluster=ClusterSpec(gpu=a.gpu, gpus=a.gpus, tp=a.tp), steps=a.steps, seed=a.seed,
-                        algo=AlgoConfig(verify_on=a.verify_on), tools=tools)
+                        algo=AlgoConfig(verify_on=a.verify_on), tools=tools, rollout_gpus=a.rollout_gpus,
+                        split_candidates=tuple(g * a.gpus // 32 for g in (16, 20, 24, 28)))
+        if a.rollout_gpus and not 0 < a.rollout_gpus < a.gpus:
+            raise ValueError(f"--rollout-gpus must be in (0, --gpus={a.gpus}) so that both sides have GPUs, got "
+                             f"{a.rollout_gpus}")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -292,6 +357,8 @@ def cli_main(argv: list[str] | None = None) -> int:
     report = run_all(cfg, a.contexts, a.modes)
     report["results"] = {str(c): {m: r.row() for m, r in by.items()} for c, by in report["results"].items()}
     print(table(report["comparison"]))
+    if set(a.modes) & set(ASYNC_MODES):
+        print(async_table(report["comparison"]))
     (out / "simulate.json").write_text(json.dumps(report, indent=2) + "\n")
     if "on_policy" in a.modes:
         plot(report, out / "simulate.png")
