@@ -40,14 +40,14 @@ def handover(run: AsyncLoop) -> Loop:
         lps = run.trainer.compute_logprobs(carried, run.cfg.temperature)
         outcome = run.verifier.apply(carried, lps, run.version)
         cuts = {rid: k for rid, k in outcome.decisions.items() if k < buffer.get(rid).num_tokens}
-        ledger.cut_tokens += buffer.apply_truncation(cuts)
+        ledger.cut(buffer.apply_truncation(cuts))
         ledger.restarted += sum(1 for k in cuts.values() if k == 0)
         tracked = engine.response_ids()
         if on_engine := {rid: k for rid, k in cuts.items() if rid in tracked}:
             engine.truncate(on_engine)
     if run.algo.fallback == "on_policy":
         shelved, cut, restarted = shelve_backlog(buffer, run.cfg.batch_groups)
-        ledger.cut_tokens += cut
+        ledger.cut(cut)
         ledger.restarted += restarted
         if off := shelved & engine.response_ids():
             engine.drop(sorted(off))

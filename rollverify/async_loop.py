@@ -203,7 +203,7 @@ class AsyncLoop:
         self.feed.resubmit_lost()
         self.buffer.add_group(group)
         cuts = {rid: k for rid, k in keep.items() if k < self.buffer.get(rid).num_tokens}
-        self.ledger.cut_tokens += self.buffer.apply_truncation(cuts)
+        self.ledger.cut(self.buffer.apply_truncation(cuts))
         self.ledger.restarted += sum(1 for k in cuts.values() if k == 0)
         tracked = self.engine.response_ids()
         if on_engine := {rid: k for rid, k in cuts.items() if rid in tracked}:
@@ -224,7 +224,8 @@ class AsyncLoop:
         if done := [r.response_id for r in responses if r.response_id in tracked]:
             self.engine.drop(done)
         self.ledger.trained += len(responses)
-        self.ledger.trained_tokens += sum(r.num_tokens for r in responses)
+        self.ledger.trained_tokens += sum(r.num_policy_tokens for r in responses)
+        self.ledger.trained_env_tokens += sum(r.num_env_tokens for r in responses)
         out = {TRAIN_PREFIX + k: float(v) for k, v in metrics.items() if isinstance(v, int | float)}
         ops = [float(metrics[f"{k}_ops_mean"]) * float(metrics.get(f"{k}_tokens", 0.0))
                for k in ("mismatch", "drift") if metrics.get(f"{k}_ops_mean") is not None]
@@ -263,12 +264,12 @@ class AsyncLoop:
         outcome = self.verifier.apply(carried, lps, self.version)
         cuts = {rid: k for rid, k in outcome.decisions.items() if k < self.buffer.get(rid).num_tokens}
         cut = self.buffer.apply_truncation(cuts)
-        self.ledger.cut_tokens += cut
+        self.ledger.cut(cut)
         self.ledger.restarted += sum(1 for k in cuts.values() if k == 0)
         if cuts:
             self.engine.truncate(cuts)
         return {**{ENGINE_VERIFY_PREFIX + k: v for k, v in outcome.stats.items()},
-                ENGINE_VERIFY_PREFIX + "cut_tokens": float(cut), ENGINE_VERIFY_PREFIX + "on_engine": float(on_engine)}
+                ENGINE_VERIFY_PREFIX + "cut_tokens": float(cut.policy), ENGINE_VERIFY_PREFIX + "on_engine": float(on_engine)}
 
     def _bound_staleness(self) -> int:
         """Every buffer response holding a token more than `max_staleness` versions behind restarts (its oldest
@@ -276,7 +277,7 @@ class AsyncLoop:
         stale = {r.response_id: 0 for r in self.buffer.carried_over()
                  if r.staleness(self.version) > self.algo.max_staleness}
         if stale:
-            self.ledger.cut_tokens += self.buffer.apply_truncation(stale)
+            self.ledger.cut(self.buffer.apply_truncation(stale))
             self.ledger.restarted += len(stale)
             tracked = self.engine.response_ids()
             if on_engine := {rid: 0 for rid in stale if rid in tracked}:
