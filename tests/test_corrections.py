@@ -325,7 +325,6 @@ def test_corrections_and_the_offpolicy_mask_on_the_megatron_trainer():
 
     from megatron_bridge.policy_loss import _padded
     from megatron_bridge.trainer import MegatronTrainer
-    from rollverify import losses
 
     seqs = fixed_sequences(4)
     lps, _ = hf_token_logprobs(tiny_path(), seqs)
