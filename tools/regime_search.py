@@ -119,7 +119,7 @@ def table(out: Path, seeds: list[int], settings: list[str]) -> tuple[str, dict]:
         ops = [f["trained_ops_last"] for f in per["partial"] if f["trained_ops_last"] is not None]
         rows.append(f"| {s} | {cell['on_policy']} | {cell['partial']} | {cell['rollverify']} | {diff} | "
                     f"{statistics.fmean(ops):.2e} | {ent(per['partial'])} | {ent(per['on_policy'])} | "
-                    f"{min((len(v) for v in per.values()), default=0)} |" if ops else
+                    f"{min((len(v) for v in per.values() if v), default=0)} |" if ops else
                     f"| {s} | {cell['on_policy']} | {cell['partial']} | {cell['rollverify']} | {diff} | - | "
                     f"{ent(per['partial'])} | {ent(per['on_policy'])} | - |")
     return "\n".join(rows), data
