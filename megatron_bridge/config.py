@@ -11,6 +11,7 @@ from rollverify.sections import ConfigError, bounded
 LossKind = Literal["grpo", "ppo", "gspo", "sapo", "vespo"]
 AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 DecayStyle = Literal["constant", "linear", "cosine"]
+StaleCorrection = Literal["tis", "decoupled", "icepop", "m2po", "seq_mis", "geo_rs"]
 
 
 @dataclass
@@ -47,6 +48,22 @@ class TrainerConfig:
     vespo_c2_pos: float = bounded(3.0, gt=0.0)
     vespo_c1_neg: float = bounded(3.0, ge=0.0)  # and for A < 0
     vespo_c2_neg: float = bounded(2.0, gt=0.0)
+    # the field's stale-token corrections (rollverify.losses.behaviour_correction; each needs use_tis, the
+    # engine's log-probs): tis (the cap above), decoupled (AReaL), icepop (slime), m2po (AReaL), seq_mis and
+    # geo_rs (verl's rollout-correction presets)
+    stale_correction: StaleCorrection = "tis"
+    decoupled_cap: float = bounded(5.0, gt=0.0)  # decoupled, m2po: behaviour weights above it are rejected
+    icepop_low: float = bounded(0.5, ge=0.0)  # icepop: weights outside [low, high] are 0
+    icepop_high: float = bounded(2.0, gt=0.0)
+    m2_threshold: float = bounded(0.04, gt=0.0)  # m2po: mean (log r)^2 of the kept tokens stays below it
+    seq_is_cap: float = bounded(2.0, gt=0.0)  # seq_mis: sequence IS weight cap
+    seq_rs_low: float = bounded(0.5, gt=0.0)  # seq_mis: a sequence stays where low <= prod_t 1/r_t <= high
+    seq_rs_high: float = bounded(2.0, gt=0.0)
+    geo_rs_low: float = bounded(0.999, gt=0.0)  # geo_rs: a sequence stays where its geometric mean of 1/r
+    geo_rs_high: float = bounded(1.001, gt=0.0)  # ... lies in [low, high]
+    # slime's --mask-offpolicy-in-partial-rollout: tokens sampled by an older policy version than the trainer's
+    # leave the loss mask (only the carried-over ones: the rest were sampled by the weights it holds)
+    mask_offpolicy: bool = False
     tp: int = bounded(1, ge=1)  # tensor parallel
     pp: int = bounded(1, ge=1)  # pipeline parallel
     ep: int = bounded(1, ge=1)  # expert parallel (carved out of tp*dp, as in Megatron-Core)
@@ -82,6 +99,12 @@ class TrainerConfig:
         if self.optimizer != "adam" and self.use_distributed_optimizer:
             raise ConfigError(f"trainer.optimizer: Megatron-Core's distributed optimizer supports adam only, got "
                               f"{self.optimizer!r}; set trainer.use_distributed_optimizer=false")
+        if self.stale_correction != "tis" and not self.use_tis:
+            raise ConfigError(f"trainer.stale_correction: {self.stale_correction} weighs tokens by the engine's "
+                              "log-probs; set trainer.use_tis=true (or stale_correction=tis)")
+        for lo, hi in (("icepop_low", "icepop_high"), ("seq_rs_low", "seq_rs_high"), ("geo_rs_low", "geo_rs_high")):
+            if getattr(self, lo) > getattr(self, hi):
+                raise ConfigError(f"trainer.{lo}: must be <= trainer.{hi} ({getattr(self, hi)}), got {getattr(self, lo)}")
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("trainer.sequence_parallel: needs trainer.tp > 1 (it splits the sequence over TP)")
 

@@ -63,10 +63,21 @@ def terms(lp: torch.Tensor, old_lp: torch.Tensor, rollout_lp: torch.Tensor | Non
     if not counts or n_tok == 0:
         return LossTerms(lp.sum() * 0.0, torch.zeros((), dtype=torch.int), {})
     rollout = rollout_lp if cfg.use_tis else None
-    if kind in ("gspo", "vespo") or mode != "token-mean":  # sequence-level: padded [sequences, tokens]
+    corrected = rollout is not None and cfg.stale_correction != "tis"
+    if kind in ("gspo", "vespo") or mode != "token-mean" or (
+            corrected and cfg.stale_correction in losses.SEQUENCE_CORRECTIONS):  # padded [sequences, tokens]
         lp, old_lp, adv, mask = (_padded(x, counts) for x in (lp, old_lp, adv, mask))
         rollout = _padded(rollout, counts) if rollout is not None else None
     common = dict(rollout_logprobs=rollout, tis_cap=cfg.tis_cap, agg_mode=mode, global_count=1)
+    corr_stats: dict[str, torch.Tensor] = {}
+    if corrected:  # the correction's weight replaces TIS; its loss mask shrinks the normaliser
+        weight, keep, corr_stats = losses.behaviour_correction(
+            cfg.stale_correction, old_lp, rollout, mask, tis_cap=cfg.tis_cap, decoupled_cap=cfg.decoupled_cap,
+            icepop_low=cfg.icepop_low, icepop_high=cfg.icepop_high, m2_threshold=cfg.m2_threshold,
+            seq_is_cap=cfg.seq_is_cap, seq_rs_low=cfg.seq_rs_low, seq_rs_high=cfg.seq_rs_high,
+            geo_rs_low=cfg.geo_rs_low, geo_rs_high=cfg.geo_rs_high)
+        mask = mask.bool() & keep
+        common["behaviour_weight"] = weight
     if kind == "ppo":
         total, m = losses.ppo_tis_loss(lp, old_lp, advantages=adv, mask=mask, eps_low=cfg.eps_low,
                                        eps_high=cfg.eps_high, dual_clip_c=cfg.dual_clip_c, **common)
@@ -79,9 +90,9 @@ def terms(lp: torch.Tensor, old_lp: torch.Tensor, rollout_lp: torch.Tensor | Non
     else:
         total, m = losses.vespo_loss(lp, old_lp, adv, mask, c1_pos=cfg.vespo_c1_pos, c2_pos=cfg.vespo_c2_pos,
                                      c1_neg=cfg.vespo_c1_neg, c2_neg=cfg.vespo_c2_neg, **common)
-    count = n_tok if mode == "token-mean" else (mask.sum(-1) > 0).sum()
+    count = mask.sum() if mode == "token-mean" else (mask.sum(-1) > 0).sum()
     stats = {}
-    for k, v in m.items():
+    for k, v in (m | corr_stats).items():
         if k == "pg_loss":
             continue
         if k.endswith("_max"):
@@ -91,23 +102,37 @@ def terms(lp: torch.Tensor, old_lp: torch.Tensor, rollout_lp: torch.Tensor | Non
     return LossTerms(total, count.to(torch.int), stats)
 
 
-def loss_inputs(seqs: list[TrainSequence], mb: MicroBatch, old: list[np.ndarray], use_tis: bool) -> dict:
+def loss_inputs(seqs: list[TrainSequence], mb: MicroBatch, old: list[np.ndarray], use_tis: bool,
+                mask_older_than: int | None = None) -> dict:
     """The per-token inputs of `mb`'s loss, flat over its generated tokens: advantages (a scalar broadcast
     over its sequence), loss mask, old log-probs (`old[i]` of batch sequence i) and, with `use_tis`, the
-    engine's log-probs."""
+    engine's log-probs. `mask_older_than` (slime's --mask-offpolicy-in-partial-rollout, `offpolicy_mask`):
+    tokens sampled by an older policy version than this one leave the loss mask."""
     adv, mask, rollout, o = [], [], [], []
     for i in mb.seq_index:
         s = seqs[i]
         g = s.gen_ids.size
         a = np.asarray(s.advantage, dtype=np.float32)
         adv.append(np.broadcast_to(a, (g,)) if a.ndim == 0 else a.reshape(g))
-        mask.append(np.ones(g, np.float32) if s.loss_mask is None else np.asarray(s.loss_mask, np.float32))
+        m = np.ones(g, np.float32) if s.loss_mask is None else np.asarray(s.loss_mask, np.float32)
+        mask.append(m if mask_older_than is None else m * offpolicy_mask(s, mask_older_than))
         rollout.append(np.asarray(s.rollout_logprobs, np.float32) if s.rollout_logprobs is not None
                        else np.zeros(g, np.float32))
         o.append(old[i])
     cat = (lambda xs: torch.from_numpy(np.concatenate(xs).astype(np.float32))) if mb.seq_index else \
         (lambda xs: torch.zeros(0))
     return {"adv": cat(adv), "mask": cat(mask), "old": cat(o), "rollout": cat(rollout) if use_tis else None}
+
+
+def offpolicy_mask(seq: TrainSequence, policy_version: int) -> np.ndarray:
+    """slime's masking of carried-over tokens (`slime/rollout/sglang_rollout.py`, ``generate_and_rm``: with
+    --partial-rollout and --mask-offpolicy-in-partial-rollout a resumed sample's earlier response tokens get
+    loss mask 0): 1 on tokens sampled by `policy_version`, the weights the trainer holds, 0 on older ones. A
+    sequence without `rollout_versions` counts as the trainer's own."""
+    g = seq.gen_ids.size
+    if seq.rollout_versions is None:
+        return np.ones(g, np.float32)
+    return (np.asarray(seq.rollout_versions).reshape(g) >= policy_version).astype(np.float32)
 
 
 def micro_batch_loss(lp: torch.Tensor, ent: torch.Tensor, x: dict, counts: list[int],

@@ -225,7 +225,10 @@ class MegatronTrainer:
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        metrics = self._loss_pass(seqs, old, use_replay, temperature, forward_only=False)
+        if self.cfg.mask_offpolicy and policy_version is None:
+            raise ValueError("trainer.mask_offpolicy needs the policy_version of train_step (the weights held now)")
+        metrics = self._loss_pass(seqs, old, use_replay, temperature, forward_only=False,
+                                  policy_version=policy_version)
         lr = float(self.optimizer.param_groups[0]["lr"])
         ok, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
@@ -243,10 +246,11 @@ class MegatronTrainer:
         return metrics
 
     def _loss_pass(self, seqs: list[TrainSequence], old: list, use_replay: bool, temperature: float,
-                   forward_only: bool) -> dict[str, float]:
+                   forward_only: bool, policy_version: int | None = None) -> dict[str, float]:
         mbs = self.micro.build(seqs, use_replay)
+        older = policy_version if self.cfg.mask_offpolicy else None
         for mb in mbs:
-            mb.extras = policy_loss.loss_inputs(seqs, mb, old, self.cfg.use_tis)
+            mb.extras = policy_loss.loss_inputs(seqs, mb, old, self.cfg.use_tis, mask_older_than=older)
 
         def loss_of_mb(mb, output):
             lp, ent = self.micro.token_stats(mb, output, temperature)

@@ -89,6 +89,7 @@ def ppo_tis_loss(
     tis_cap: float = 2.0,
     agg_mode: str | None = None,
     global_count: int | None = None,
+    behaviour_weight: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Token-level PPO surrogate with decoupled and dual clipping, TIS-weighted (module doc); token-mean.
 
@@ -106,7 +107,7 @@ def ppo_tis_loss(
     if dual_clip_c < math.inf:
         loss = torch.where(adv < 0, torch.minimum(loss, -adv * dual_clip_c), loss)
     total, metrics = _weigh_and_aggregate(loss, old, rollout_logprobs, valid, tis_cap,
-                                          agg_mode or DEFAULT_AGG["ppo"], global_count)
+                                          agg_mode or DEFAULT_AGG["ppo"], global_count, behaviour_weight)
     with torch.no_grad():
         metrics |= {
             "clip_frac_high": masked_mean(((adv > 0) & (ratio > 1 + eps_high)).to(lp.dtype), valid),
@@ -129,6 +130,7 @@ def gspo_loss(
     tis_cap: float = 2.0,
     agg_mode: str | None = None,
     global_count: int | None = None,
+    behaviour_weight: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO (Zheng et al. 2025) in its GSPO-token form, on padded [B, T] tensors:
 
@@ -149,7 +151,7 @@ def gspo_loss(
     s = torch.exp(log_s)
     loss = torch.maximum(-adv * s, -adv * s.clamp(1 - eps_low, 1 + eps_high))
     total, metrics = _weigh_and_aggregate(loss, old, rollout_logprobs, valid, tis_cap,
-                                          agg_mode or DEFAULT_AGG["gspo"], global_count)
+                                          agg_mode or DEFAULT_AGG["gspo"], global_count, behaviour_weight)
     with torch.no_grad():
         clipped = ((adv > 0) & (s > 1 + eps_high)) | ((adv < 0) & (s < 1 - eps_low))
         metrics |= {
@@ -170,6 +172,7 @@ def sapo_loss(
     tis_cap: float = 2.0,
     agg_mode: str | None = None,
     global_count: int | None = None,
+    behaviour_weight: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """SAPO (Gao et al. 2025): a soft, temperature-controlled gate instead of the hard clip.
 
@@ -185,7 +188,7 @@ def sapo_loss(
     tau = torch.where(adv > 0, adv.new_tensor(tau_pos), adv.new_tensor(tau_neg))  # the compute dtype
     gate = 4.0 / tau * torch.sigmoid(tau * (ratio - 1))
     total, metrics = _weigh_and_aggregate(-gate * adv, old, rollout_logprobs, valid, tis_cap,
-                                          agg_mode or DEFAULT_AGG["sapo"], global_count)
+                                          agg_mode or DEFAULT_AGG["sapo"], global_count, behaviour_weight)
     with torch.no_grad():
         p = torch.sigmoid(tau * (ratio - 1))
         metrics |= {
@@ -208,6 +211,7 @@ def vespo_loss(
     tis_cap: float = 2.0,
     agg_mode: str | None = None,
     global_count: int | None = None,
+    behaviour_weight: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """VESPO (Shen et al. 2026, arXiv 2602.10693): a smooth kernel on the sequence-level importance weight.
 
@@ -249,7 +253,7 @@ def vespo_loss(
         phi = torch.exp(c1 * log_w + c2 * (1 - seq_w))
     loss = -phi.unsqueeze(-1) * adv * torch.exp(lp - lp.detach())
     total, metrics = _weigh_and_aggregate(loss, old, rollout_logprobs, valid, tis_cap,
-                                          agg_mode or DEFAULT_AGG["vespo"], global_count)
+                                          agg_mode or DEFAULT_AGG["vespo"], global_count, behaviour_weight)
     with torch.no_grad():
         has = valid.any(-1)
         metrics |= {
@@ -258,6 +262,139 @@ def vespo_loss(
             "phi_max": phi[has].max() if has.any() else torch.zeros(()),
         }
     return total, metrics
+
+
+# --- stale-token corrections ------------------------------------------------------------------------------
+#
+# What the field does about tokens the engine sampled under an older (or numerically different) policy than the
+# trainer's, as a per-token behaviour weight and a loss mask that each loss above takes in place of its TIS
+# weight. Notation: lp_old is the trainer's recomputed log-prob (AReaL's proximal policy), lp_rollout the
+# engine's (the behaviour policy), r = exp(lp_old - lp_rollout) per token, log r clamped to +-20 as verl does.
+
+CORRECTIONS = ("tis", "decoupled", "icepop", "m2po", "seq_mis", "geo_rs")
+SEQUENCE_CORRECTIONS = ("seq_mis", "geo_rs")  # they need padded [sequences, tokens] tensors
+_LOG_BOUND = 20.0
+
+
+def behaviour_correction(
+    kind: str,
+    old_logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    mask: Tensor,
+    *,
+    tis_cap: float = 2.0,
+    decoupled_cap: float = 5.0,
+    icepop_low: float = 0.5,
+    icepop_high: float = 2.0,
+    m2_threshold: float = 0.04,
+    seq_is_cap: float = 2.0,
+    seq_rs_low: float = 0.5,
+    seq_rs_high: float = 2.0,
+    geo_rs_low: float = 0.999,
+    geo_rs_high: float = 1.001,
+) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """The behaviour weight w (detached, 0 where a token is rejected but still counted) and the loss mask
+    ``keep`` (False where the method takes a token out of the loss mask, so out of the normaliser too) of one
+    stale-token correction, with its statistics (``corr_*``). Each definition is its source's:
+
+    ``tis``        w = min(r, tis_cap), keep all: the design's truncated IS (slime ``vanilla_tis_function``
+                   with tis_clip_low 0, verl token TIS).
+    ``decoupled``  AReaL's decoupled PPO (`areal/utils/functional/functional.py`, ``ppo_actor_loss_fn`` with
+                   ``apply_rejection_sampling`` at its defaults: token level, action mask, metric ratio): the
+                   PPO ratio is taken against the proximal policy (lp_old, recomputed), and each token's loss
+                   is multiplied by the behaviour weight r = pi_prox / pi_behave; tokens with r > decoupled_cap
+                   (``rejection_sampling.upper``, 5.0 in AReaL's examples) get weight 0. The normaliser stays
+                   the count before the rejection, as AReaL's ``loss_mask_count``.
+    ``icepop``     slime's IcePop (`slime/backends/megatron_utils/loss.py`, ``icepop_function``): w = r where
+                   icepop_low <= r <= icepop_high (``--tis-clip-low`` / ``--tis-clip``, 0.5 / 2.0 in slime's
+                   IcePop test), else 0; the loss mask is unchanged.
+    ``m2po``       M2PO as AReaL implements it (`areal/trainer/ppo/actor.py`, ``_apply_m2po_masking`` and
+                   ``_get_m2po_loss_mask``): m2 = (lp_rollout - lp_old)^2 per valid token; the tokens of
+                   largest m2 leave the loss mask, fewest first, until the mean m2 of the rest is below
+                   m2_threshold (all but one when no count reaches it). On the kept tokens the weight is
+                   ``decoupled``'s, as AReaL's M2PO example runs it (examples/math/gsm8k_m2po.yaml:
+                   use_decoupled_loss, rejection upper 5.0, m2_threshold 0.04). Applied per call, i.e. per
+                   micro-batch, where AReaL's loss function applies it.
+    ``seq_mis``    verl's ``RolloutCorrectionConfig.decoupled_seq_is_rs`` preset (`verl/trainer/config/
+                   algorithm.py`; `verl/trainer/ppo/rollout_corr_helper.py`, ``compute_rollout_correction_
+                   weights`` and ``compute_rollout_rejection_mask``): sequence IS weight min(exp(sum_t log r),
+                   seq_is_cap) on every token of the sequence, and the ``seq_sum_k1`` rejection: a sequence
+                   stays in the loss mask where log(seq_rs_low) <= -sum_t log r <= log(seq_rs_high).
+    ``geo_rs``     verl's ``decoupled_geo_rs`` preset: no IS weight (w = 1) and the ``seq_mean_k1`` rejection:
+                   a sequence stays where log(geo_rs_low) <= -mean_t log r <= log(geo_rs_high) (0.999 / 1.001).
+
+    Tensors share one shape (``seq_mis`` and ``geo_rs``: padded [B, T]); masked positions may hold anything.
+    """
+    if kind not in CORRECTIONS:
+        raise ValueError(f"the stale-token correction must be one of {CORRECTIONS}, got {kind!r}")
+    if old_logprobs.shape != rollout_logprobs.shape or mask.shape != old_logprobs.shape:
+        raise ValueError(f"old_logprobs {tuple(old_logprobs.shape)}, rollout_logprobs "
+                         f"{tuple(rollout_logprobs.shape)} and mask {tuple(mask.shape)} must share one shape")
+    if kind in SEQUENCE_CORRECTIONS and old_logprobs.dim() != 2:
+        raise ValueError(f"the {kind} correction needs padded [batch, tokens] tensors, got shape "
+                         f"{tuple(old_logprobs.shape)}")
+    for name, lo, hi in (("icepop", icepop_low, icepop_high), ("seq_rs", seq_rs_low, seq_rs_high),
+                         ("geo_rs", geo_rs_low, geo_rs_high)):
+        if not 0 <= lo <= hi:
+            raise ValueError(f"{name}_low must be >= 0 and <= {name}_high, got {lo!r} and {hi!r}")
+    for name, v in (("tis_cap", tis_cap), ("decoupled_cap", decoupled_cap), ("m2_threshold", m2_threshold),
+                    ("seq_is_cap", seq_is_cap), ("seq_rs_low", seq_rs_low), ("geo_rs_low", geo_rs_low)):
+        if not v > 0:
+            raise ValueError(f"{name} must be > 0, got {v!r}")
+    valid = mask.bool()
+    dtype = _compute_dtype(old_logprobs)
+    with torch.no_grad():
+        log_r = torch.where(valid, old_logprobs.to(dtype) - rollout_logprobs.to(dtype), 0.0)
+        log_r = torch.nan_to_num(log_r, nan=0.0).clamp(-_LOG_BOUND, _LOG_BOUND)
+        r = torch.exp(log_r)
+        keep = valid.clone()
+        if kind == "tis":
+            w = r.clamp(max=tis_cap)
+        elif kind == "icepop":
+            w = torch.where((r >= icepop_low) & (r <= icepop_high), r, 0.0)
+        elif kind in ("decoupled", "m2po"):
+            w = torch.where(r <= decoupled_cap, r, 0.0)
+            if kind == "m2po":
+                keep = _m2po_keep(log_r, valid, m2_threshold)
+        elif kind == "seq_mis":
+            seq_log = log_r.sum(-1, keepdim=True)  # log prod_t r_t
+            w = torch.exp(seq_log.clamp(-_LOG_BOUND, _LOG_BOUND)).clamp(max=seq_is_cap).expand_as(log_r)
+            keep = valid & _in_log_band(-seq_log, seq_rs_low, seq_rs_high)
+        else:  # geo_rs
+            w = torch.ones_like(r)
+            seq_mean = log_r.sum(-1, keepdim=True) / valid.sum(-1, keepdim=True).clamp(min=1)
+            keep = valid & _in_log_band(-seq_mean, geo_rs_low, geo_rs_high)
+        w = torch.where(keep, w, 0.0)
+        metrics = {
+            "corr_weight_mean": masked_mean(w, valid),
+            "corr_zero_weight_frac": masked_mean((w == 0).to(dtype), valid),  # rejected, masked or not
+            "corr_loss_masked_frac": masked_mean((~keep).to(dtype), valid),  # out of the loss mask
+        }
+    return w, keep, metrics
+
+
+def _in_log_band(stat: Tensor, low: float, high: float) -> Tensor:
+    """verl's k1 bounds: log(low) <= stat <= log(high) (low 0: no lower bound)."""
+    lower = math.log(low) if low > 0 else -math.inf
+    return (stat >= lower) & (stat <= math.log(high))
+
+
+def _m2po_keep(log_r: Tensor, valid: Tensor, threshold: float) -> Tensor:
+    """AReaL's M2PO mask: drop the k valid tokens of largest (log r)^2, k the smallest count after which the
+    mean of the rest is below `threshold` (n - 1 when none is)."""
+    m2 = torch.square(log_r[valid])
+    keep = valid.clone()
+    n = m2.numel()
+    if n == 0:
+        return keep
+    order = torch.argsort(m2, descending=True, stable=True)
+    suffix_mean = m2[order].flip(0).cumsum(0).flip(0) / torch.arange(n, 0, -1, dtype=m2.dtype, device=m2.device)
+    below = torch.nonzero(suffix_mean < threshold)
+    k = int(below[0]) if below.numel() else n - 1
+    kept = torch.ones(n, dtype=torch.bool, device=m2.device)
+    kept[order[:k]] = False
+    keep[valid] = kept
+    return keep
 
 
 # --- helpers ----------------------------------------------------------------------------------------------
@@ -314,11 +451,18 @@ def _tis(old: Tensor, rollout: Tensor | None, valid: Tensor, cap: float) -> tupl
 
 def _weigh_and_aggregate(
     loss: Tensor, old: Tensor, rollout: Tensor | None, valid: Tensor, tis_cap: float, mode: str,
-    global_count: int | None,
+    global_count: int | None, behaviour_weight: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Every loss's tail: per-token losses times their TIS weights, aggregated per `mode`; the TIS statistics
-    and the result as ``pg_loss``."""
-    w, metrics = _tis(old, rollout, valid, tis_cap)
+    """Every loss's tail: per-token losses times their TIS weights (or ``behaviour_weight``, a stale-token
+    correction's, when given: `behaviour_correction`), aggregated per `mode`; the TIS statistics and the result
+    as ``pg_loss``."""
+    if behaviour_weight is not None:
+        if behaviour_weight.shape != loss.shape:
+            raise ValueError(f"behaviour_weight must be shaped like logprobs {tuple(loss.shape)}, "
+                             f"got {tuple(behaviour_weight.shape)}")
+        w, metrics = torch.where(valid, behaviour_weight.detach().to(loss.dtype), 0.0), {}
+    else:
+        w, metrics = _tis(old, rollout, valid, tis_cap)
     total = aggregate(w * loss, valid, mode, global_count)
     metrics["pg_loss"] = total.detach()
     return total, metrics

@@ -6,6 +6,8 @@
   ops_filter        restart responses whose whole-response mean OPS >= gamma
   rollverify        keep the two-stage verified prefix (each stage switchable), with conditional
                     switching to on_policy once acceptance stays low
+  spec_rl           SPEC-RL's cut: re-score each carried token, accept it with probability
+                    min(1, p_new / p_old), keep the prefix before the first rejection
 
 Every strategy maps (carried-over responses, the trainer's new log-probs, new policy version) to a
 ``VerifyOutcome``: a keep length per response plus the statistics the loop logs, whole, under ``verify/``.
@@ -31,7 +33,7 @@ from torch import Tensor
 from rollverify.types import Response, VerifyBatch
 from rollverify.verify import VerifyResult, token_ops, two_stage_verify_ops
 
-MODES = ("on_policy", "partial", "staleness_filter", "ops_filter", "rollverify")
+MODES = ("on_policy", "partial", "staleness_filter", "ops_filter", "rollverify", "spec_rl")
 ESTIMATORS = ("window", "ema")
 VERIFY_ON = ("trainer", "engine")  # who computes the new log-probs of carried tokens (rollverify/loop.py)
 SCHEDULES = ("alternating", "async")  # rollverify/loop.py; rollverify/async_loop.py
@@ -73,6 +75,13 @@ class AlgoConfig:
     # async: where the conditional switch goes once acceptance stays low: on_policy (as the alternating loop's
     # switch), or the alternating loop with a fresh switch of its own
     fallback: str = "on_policy"
+    # spec_rl (SPEC-RL's lenience knobs): accept a token with probability min(1, exp(scale (delta + lenience)))
+    # and, with p_min > 0, only where p_new >= p_min; delta = lp_new - lp_old. Its draws derive from spec_seed
+    # and the policy version.
+    spec_lenience: float = 0.0
+    spec_scale: float = 1.0
+    spec_p_min: float = 0.0
+    spec_seed: int = 0
 
     def __post_init__(self) -> None:
         def bad(key: str, allowed: str) -> ValueError:
@@ -80,6 +89,17 @@ class AlgoConfig:
 
         if self.mode not in MODES:
             raise bad("mode", f"one of {MODES}")
+        if isinstance(self.spec_lenience, bool) or not isinstance(self.spec_lenience, int | float) \
+                or not 0 <= self.spec_lenience < math.inf:
+            raise bad("spec_lenience", "a finite number >= 0 (0: SPEC-RL's exact rule)")
+        if isinstance(self.spec_scale, bool) or not isinstance(self.spec_scale, int | float) \
+                or not 0 < self.spec_scale < math.inf:
+            raise bad("spec_scale", "a finite number > 0")
+        if isinstance(self.spec_p_min, bool) or not isinstance(self.spec_p_min, int | float) \
+                or not 0 <= self.spec_p_min <= 1:
+            raise bad("spec_p_min", "a number in [0, 1] (0: off)")
+        if isinstance(self.spec_seed, bool) or not isinstance(self.spec_seed, int):
+            raise bad("spec_seed", "an integer")
         for key in ("d_s", "d_t", "ops_gamma"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
@@ -220,10 +240,11 @@ class Strategy:
         once: the strategy decides from it and the stats report its mean over the finite values as ``ops_mean``.
         """
         batch = VerifyBatch.from_responses(responses, self.device)
-        ops = None
+        ops = new = None
         if new_logprobs is not None or self.needs_new_logprobs:
-            ops = token_ops(batch.logprobs, batch.policy_only(_pack_new_logprobs(new_logprobs, batch)))
-        keep, stats = self._keep(batch, ops, responses, policy_version)
+            new = batch.policy_only(_pack_new_logprobs(new_logprobs, batch))
+            ops = token_ops(batch.logprobs, new)
+        keep, stats = self._decide(batch, new, ops, responses, policy_version)
         full_keep = batch.full_keep(keep.to(torch.int64)).cpu().numpy().astype(np.int64)
         lengths, keep = batch.lengths.cpu().numpy(), keep.cpu().numpy().astype(np.int64)
         full = batch.full_lengths.cpu().numpy()
@@ -236,6 +257,12 @@ class Strategy:
     ) -> tuple[Tensor, dict[str, float]]:
         """Keep lengths [R] and the strategy's own stats; ``ops`` is the packed token OPS [N] or None."""
         raise NotImplementedError
+
+    def _decide(
+        self, batch: VerifyBatch, new: Tensor | None, ops: Tensor | None, responses: Sequence[Response], version: int
+    ) -> tuple[Tensor, dict[str, float]]:
+        """`_keep`, for strategies that also read the packed new log-probs ``new`` [N] (None when not given)."""
+        return self._keep(batch, ops, responses, version)
 
     def to_state(self) -> dict[str, Any]:
         """JSON-able state for checkpoints (only conditional switching has any)."""
@@ -309,6 +336,50 @@ class RollVerify(Strategy):
         return result.keep_lengths, _ops_stats(result)
 
 
+class SpecCut(Strategy):
+    """SPEC-RL's cut of a previous response (ShopeeLLM/Spec-RL, `verl/utils/speculative_decoding.py`,
+    ``spec_cut`` and ``spec_cut_with_knobs``), applied to carried-over responses: with delta = lp_new - lp_old
+    per token and delta' = scale (delta + lenience), a token is accepted when delta' >= 0 or log U <= delta'
+    (U uniform on (0, 1): probability min(1, exp(delta'))) and, with p_min > 0, only where lp_new >= log p_min;
+    the response keeps the prefix before its first rejected token and regenerates from there. lenience is
+    SPEC-RL's ``spec_bias`` (its trainer passes -|bias| as ``bias``: more lenient), scale its ``scale``. A
+    non-finite delta is a rejection. The draws come from a generator seeded by (seed, policy version), one per
+    carried token in the batch's order, so a run is reproducible."""
+
+    mode = "spec_rl"
+    needs_new_logprobs = True
+
+    def __init__(self, lenience: float = 0.0, scale: float = 1.0, p_min: float = 0.0, seed: int = 0,
+                 device: str | torch.device = "cpu") -> None:
+        super().__init__(device)
+        self.lenience, self.scale, self.p_min, self.seed = lenience, scale, p_min, seed
+
+    def _decide(self, batch, new, ops, responses, version):
+        g = torch.Generator(device="cpu").manual_seed((self.seed * 1_000_003 + version) % 2**63)
+        u = torch.rand(batch.num_tokens, generator=g, dtype=torch.float64).clamp_min(1e-12).to(new.device)
+        delta = self.scale * ((new.double() - batch.logprobs.double()) + self.lenience)
+        accept = torch.isfinite(delta) & ((delta >= 0) | (torch.log(u) <= delta))
+        if self.p_min > 0:
+            accept &= new.double() >= math.log(self.p_min)
+        keep = first_false(accept, batch.lengths)
+        return keep, {"spec_rejected_tokens": float((~accept).sum()),
+                      "spec_accept_prob_mean": float(torch.exp(delta.clamp(max=0)).nan_to_num(0.0).mean())
+                      if batch.num_tokens else 1.0}
+
+
+def first_false(flags: Tensor, lengths: Tensor) -> Tensor:
+    """Per response (``lengths`` [R] laid end to end over ``flags`` [N]), the index of its first False flag,
+    or its length when every flag is True: the length of its all-True prefix."""
+    if flags.numel() == 0:
+        return torch.zeros_like(lengths)
+    starts = torch.cumsum(lengths, 0) - lengths
+    owner = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
+    pos = torch.arange(flags.numel(), device=flags.device) - starts[owner]
+    pos = torch.where(flags, torch.iinfo(torch.int64).max, pos)
+    first = torch.full_like(lengths, torch.iinfo(torch.int64).max).scatter_reduce(0, owner, pos, "amin")
+    return torch.minimum(first, lengths)
+
+
 class Switching(Strategy):
     """Wraps a carry-over strategy; after ``switch`` fires it behaves as on_policy for the rest of the run.
 
@@ -358,6 +429,8 @@ def make_strategy(mode: str | None = None, cfg: AlgoConfig | None = None, device
         return StalenessFilter(cfg.staleness_s, device)
     if mode == "ops_filter":
         return OpsFilter(cfg.ops_gamma, device)
+    if mode == "spec_rl":
+        return SpecCut(cfg.spec_lenience, cfg.spec_scale, cfg.spec_p_min, cfg.spec_seed, device)
     if mode == "rollverify":
         d_s = cfg.d_s if cfg.seq_stage else math.inf
         d_t = cfg.d_t if cfg.token_stage else math.inf

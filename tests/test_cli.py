@@ -169,6 +169,24 @@ def test_demo_out_rules(tmp_path, capsys):
     assert rundir.claim(earlier, overwrite=True, demo=True) == earlier and not any(earlier.iterdir())
 
 
+def test_demo_stale_runs_the_shipped_regime_with_the_three_modes(tmp_path, capsys, monkeypatch):
+    """--stale resolves to configs/tiny_stale.yaml, on_policy / partial / rollverify and 40 steps; what it would
+    run is checked before any server starts (a bad --eval-modes names the resolved modes)."""
+    from rollverify.app import demo as demo_mod
+    from rollverify.app.config import load_config
+
+    seen = []
+    real = demo_mod.load_config
+    monkeypatch.setattr(demo_mod, "load_config", lambda c, o=(): seen.append((c, list(o))) or real(c, o))
+    assert demo_mod.cli_main(["--stale", "--eval-modes", "spec_rl", "--out", str(tmp_path / "d")]) == 2
+    assert "--eval-modes spec_rl: not among --modes on_policy partial rollverify" in capsys.readouterr().err
+    assert demo_mod.cli_main(["--stale", "--out", str(tmp_path / "d"), "--steps", "0"]) == 2
+    assert seen[-1][0] == "tiny_stale" and "trainer.steps=0" in seen[-1][1]
+    cfg = load_config("tiny_stale")
+    assert (cfg.trainer.lr, cfg.rollout.max_live, cfg.rollout.engine_args["max_running_requests"]) == (2e-4, 256, 256)
+    assert not (tmp_path / "d").exists()
+
+
 # ------------------------------------------------------------------------------------------- paths and options
 
 

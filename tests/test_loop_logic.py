@@ -157,7 +157,7 @@ def make_loop(mode: str, drift: float = 0.0, **algo) -> tuple[Loop, ScriptedEngi
     return loop, engine, trainer
 
 
-@pytest.mark.parametrize("mode", ["on_policy", "partial", "staleness_filter", "ops_filter", "rollverify"])
+@pytest.mark.parametrize("mode", ["on_policy", "partial", "staleness_filter", "ops_filter", "rollverify", "spec_rl"])
 def test_every_mode_trains_b_groups_per_step_and_keeps_the_accounting(mode):
     loop, engine, trainer = make_loop(mode, drift=0.001)
     for _ in range(12):

@@ -90,5 +90,19 @@ def test_a_missing_run_reads_na_and_the_report_says_how_many_seeds(tmp_path):
     agg = pt.aggregate(tmp_path, [0, 1])
     report = pt.write_report(tmp_path, [0, 1], agg, [], {"ran": [], "failed": [], "wall_s": 0.0})
     text = report.read_text()
-    assert "| partial SAPO (`partial_sapo`) | — | — | — | — | 0 |" in text
+    assert "| partial SAPO (`partial_sapo`) | — | — | — | — | — | — | 0 |" in text
     assert "| partial (`partial`) | 1.00 [1.00, 1.00] | 25.0 [25.0, 25.0] | 1.50 [1.50, 1.50] |" in text
+
+
+def test_eval_interval_is_over_seeds_and_over_prompts_for_one_seed(tmp_path):
+    write_all(tmp_path, {"partial": HOLDS["partial"], "spec_rl": (0.3, 0.001, 0.9, 20.0)})
+    agg = pt.aggregate(tmp_path, [0, 1])
+    # evals 0.40 and 0.41: standard error 0.005 over the two seeds
+    assert agg["partial"]["eval_interval"] == pytest.approx({"mean": 0.405, "half": 1.96 * 0.005, "n": 2})
+    recs = (tmp_path / "spec_rl" / "s0" / "metrics.jsonl").read_text().splitlines()
+    last = json.loads(recs[-1]) | {"eval_reward_se": 0.02}
+    (tmp_path / "spec_rl" / "s0" / "metrics.jsonl").write_text("\n".join([*recs[:-1], json.dumps(last)]) + "\n")
+    one = pt.aggregate(tmp_path, [0])
+    assert one["spec_rl"]["eval_interval"] == pytest.approx({"mean": 0.3, "half": 1.96 * 0.02, "n": 1})
+    report = pt.write_report(tmp_path, [0], one, [], {"ran": [], "failed": [], "wall_s": 0.0}).read_text()
+    assert "| SPEC-RL cut (`spec_rl`) | 0.300 [0.300, 0.300] | 0.300 +- 0.039 |" in report

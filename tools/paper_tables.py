@@ -45,9 +45,24 @@ RUNS: dict[str, list[str]] = {
     "partial_gspo": [*PARTIAL, "trainer.loss=gspo"],
     "partial_sapo": [*PARTIAL, "trainer.loss=sapo"],
     "partial_vespo": [*PARTIAL, "trainer.loss=vespo"],
+    # the field's stale-token corrections on partial rollout (rollverify.losses.behaviour_correction; SPEC-RL
+    # re-scores and cuts carried responses, like RollVerify, with its own rule)
+    "partial_mask_offpolicy": [*PARTIAL, "trainer.mask_offpolicy=true"],
+    "partial_decoupled": [*PARTIAL, "trainer.stale_correction=decoupled"],
+    "partial_icepop": [*PARTIAL, "trainer.stale_correction=icepop"],
+    "partial_m2po": [*PARTIAL, "trainer.stale_correction=m2po"],
+    "partial_seq_mis": [*PARTIAL, "trainer.stale_correction=seq_mis"],
+    "partial_geo_rs": [*PARTIAL, "trainer.stale_correction=geo_rs"],
+    "spec_rl": ["algo.mode=spec_rl"],
 }
+FIELD = [("partial + slime off-policy mask", "partial_mask_offpolicy"), ("partial + AReaL decoupled PPO", "partial_decoupled"),
+         ("partial + slime IcePop", "partial_icepop"), ("partial + AReaL M2PO", "partial_m2po"),
+         ("partial + verl seq-MIS", "partial_seq_mis"), ("partial + verl Geo-RS", "partial_geo_rs"),
+         ("SPEC-RL cut", "spec_rl")]
 # table -> (row label, run); d_s = inf with the sequence stage only verifies nothing: it is partial rollout
 TABLES: dict[str, tuple[str, list[tuple[str, str]]]] = {
+    "table2": ("Table 2: on-policy, partial rollout and RollVerify",
+               [("on-policy GRPO", "on_policy"), ("partial rollout", "partial"), ("RollVerify", "rollverify")]),
     "table3": ("Table 3: ablation", [("partial", "partial"), ("+ sequence stage", "seq"),
                                      ("+ token stage", "seq_token"), ("+ conditional switch", "rollverify"),
                                      ("on-policy", "on_policy")]),
@@ -56,7 +71,8 @@ TABLES: dict[str, tuple[str, list[tuple[str, str]]]] = {
     "table5": ("Table 5: d_t, d_s = 0.01", [("1", "dt_1"), ("2", "seq_token"), ("4", "dt_4"), ("inf", "seq")]),
     "table6": ("Table 6: loss reshaping vs sample verification",
                [("on-policy GRPO", "on_policy"), ("partial GRPO", "partial"), ("partial GSPO", "partial_gspo"),
-                ("partial SAPO", "partial_sapo"), ("partial VESPO", "partial_vespo"), ("RollVerify", "rollverify")]),
+                ("partial SAPO", "partial_sapo"), ("partial VESPO", "partial_vespo"), *FIELD,
+                ("RollVerify", "rollverify")]),
 }
 COLUMNS = {  # column -> (header, format)
     "step_s": ("step time (s)", "{:.2f}"),
@@ -66,6 +82,7 @@ COLUMNS = {  # column -> (header, format)
     "decode_iters": ("decode iters/step", "{:.1f}"),
     "generated_per_trained": ("generated / trained tokens", "{:.2f}"),
     "wall_min": ("run time (min)", "{:.1f}"),
+    "eval_interval": ("eval reward, 95 % interval (over seeds; one seed: over prompts)", ""),
 }
 QUICK = ["trainer.steps=2", "rollout.batch_groups=2", "rollout.n=2", "rollout.max_new_tokens=48", "rollout.max_live=8",
          "eval.every=2", "eval.n_prompts=8", "log.checkpoint_every=0"]
@@ -100,6 +117,7 @@ def run_figures(run_dir: Path) -> dict | None:
     return {
         "step_s": _mean(r.get("step_s") for r in records),
         "eval_reward": evals[-1] if evals else None,
+        "eval_se": next((r.get("eval_reward_se") for r in reversed(records) if _finite([r.get("eval_reward")])), None),
         "trained_ops": _mean(r.get("trained_ops_mean") for r in records),
         "acceptance": _mean(r.get("acceptance_rate") for r in records),
         "decode_iters": _mean(r.get("decode_iters") for r in records),
@@ -121,6 +139,11 @@ def aggregate(out: Path, seeds: list[int]) -> dict:
         for key in per_seed[0] if per_seed else []:
             if vals := _finite(f[key] for f in per_seed):
                 agg[name][key] = {"mean": statistics.fmean(vals), "min": min(vals), "max": max(vals), "n": len(vals)}
+        if ev := _finite(f["eval_reward"] for f in per_seed):
+            # the 95 % interval of the mean eval reward: over seeds (2 or more), else the one evaluation's own
+            se = statistics.stdev(ev) / math.sqrt(len(ev)) if len(ev) > 1 else _mean(f["eval_se"] for f in per_seed)
+            if se is not None:
+                agg[name]["eval_interval"] = {"mean": statistics.fmean(ev), "half": 1.96 * se, "n": len(ev)}
     return agg
 
 
@@ -128,6 +151,8 @@ def _cell(agg: dict, run: str, key: str, fmt: str) -> str:
     v = agg.get(run, {}).get(key)
     if not v:
         return "—"
+    if key == "eval_interval":
+        return f"{v['mean']:.3f} +- {v['half']:.3f}"
     return f"{fmt.format(v['mean'])} [{fmt.format(v['min'])}, {fmt.format(v['max'])}]"
 
 
@@ -248,7 +273,8 @@ def figures(out: Path, seeds: list[int]) -> list[Path]:
 def write_report(out: Path, seeds: list[int], agg: dict, figs: list[Path], log: dict) -> Path:
     lines = [f"# The paper's tables on the tiny task ({len(seeds)} seed(s): {seeds}; cells: mean [min, max])", ""]
     for title, rows in TABLES.values():
-        keys = ["eval_reward", "trained_ops", "step_s", "wall_min"] if "Table 6" in title else \
+        keys = ["eval_reward", "eval_interval", "trained_ops", "decode_iters", "generated_per_trained", "step_s"] \
+            if "Table 6" in title or "Table 2" in title else \
             ["step_s", "decode_iters", "generated_per_trained", "eval_reward", "trained_ops", "acceptance"]
         lines += [f"## {title}", "", "| | " + " | ".join(COLUMNS[k][0] for k in keys) + " | seeds |",
                   "|---" * (len(keys) + 2) + "|"]
@@ -267,7 +293,8 @@ def write_report(out: Path, seeds: list[int], agg: dict, figs: list[Path], log: 
     return path
 
 
-def run_all(out: Path, names: list[str], seeds: list[int], extra: list[str], log: dict) -> None:
+def run_all(out: Path, names: list[str], seeds: list[int], extra: list[str], log: dict,
+            config: str = "tiny_cpu") -> None:
     """Every (run, seed) without a summary.json, in-process, against one shared server."""
     from rollverify.app.config import load_config
     from rollverify.app.start import resolve_model
@@ -278,14 +305,14 @@ def run_all(out: Path, names: list[str], seeds: list[int], extra: list[str], log
     todo = [(n, s) for s in seeds for n in names if not (out / n / f"s{s}" / "summary.json").exists()]
     if not todo:
         return
-    base = load_config("tiny_cpu", extra)  # checks --set before anything starts
+    base = load_config(config, extra)  # checks --set before anything starts
     cpu_compat.activate()
     out.mkdir(parents=True, exist_ok=True)
     with launch_server(resolve_model(base), engine_args=dict(base.rollout.engine_args),
                        log_path=out / "server.log") as server:
         for name, seed in todo:
             run_dir = out / name / f"s{seed}"
-            cfg = load_config("tiny_cpu", [*RUNS[name], *extra, f"seed={seed}",
+            cfg = load_config(config, [*RUNS[name], *extra, f"seed={seed}",
                                            f'rollout.endpoints=["{server.endpoint}"]'])
             t0 = time.perf_counter()
             print(f"[paper_tables] {name} seed {seed} -> {run_dir}", flush=True)
@@ -301,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--config", default="tiny_cpu", help="the base config of every run (a shipped name or a file)")
     p.add_argument("--runs", nargs="+", choices=list(RUNS), default=None, help="a subset of the runs (default: all)")
     p.add_argument("--set", dest="overrides", nargs="*", default=[], metavar="KEY=VALUE",
                    help="config overrides for every run, e.g. trainer.steps=60 trainer.lr=3e-4")
@@ -314,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     log: dict = {"ran": [], "failed": [], "overrides": extra}
     t0 = time.perf_counter()
     if not a.aggregate:
-        run_all(a.out, names, seeds, extra, log)
+        run_all(a.out, names, seeds, extra, log, a.config)
     log["wall_s"] = time.perf_counter() - t0
     agg = aggregate(a.out, seeds)
     report = write_report(a.out, seeds, agg, figures(a.out, seeds), log)

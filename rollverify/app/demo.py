@@ -25,6 +25,7 @@ from rollverify.app.evaluate import format_interval
 from rollverify.metrics import load_metrics, plot_comparison
 
 MODES = ("on_policy", "rollverify")
+STALE_MODES = ("on_policy", "partial", "rollverify")  # --stale: the three of the paper's Table 2
 DEFAULT_OUT = "runs/demo"
 COLUMNS = (
     ("final train reward", "reward_last"),
@@ -135,10 +136,14 @@ def cli_main(argv: list[str] | None = None) -> int:
         f"{DEFAULT_OUT}-N)"
     )
     p.add_argument("--overwrite", action="store_true", help="replace the earlier demo that --out holds")
-    p.add_argument("--steps", type=int, default=12, help="optimizer steps of each run (default 12)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps of each run (default 12; --stale: 40)")
+    p.add_argument("--stale", action="store_true",
+                   help="the stalest setting of the partial-rollout search (configs/tiny_stale.yaml: "
+                   "lr 2e-4, max_live 256): on_policy, partial and rollverify, 40 steps each, unless --config, "
+                   "--modes or --steps say otherwise")
     p.add_argument(
-        "--modes", nargs="+", default=list(MODES), help="algo.mode of each run; on_policy is the baseline "
-        "(also: partial, staleness_filter, ops_filter)"
+        "--modes", nargs="+", default=None, help="algo.mode of each run; on_policy is the baseline "
+        "(default: on_policy rollverify; also: partial, staleness_filter, ops_filter, spec_rl)"
     )
     p.add_argument("--start-timeout", type=float, default=300.0, metavar="S",
                    help="seconds the SGLang server may take to start (default 300; more on a loaded machine)")
@@ -147,8 +152,13 @@ def cli_main(argv: list[str] | None = None) -> int:
                    "eval.every=0, e.g. partial when only its OPS is compared")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides applied to every run")
     a = p.parse_args(argv)
+    if a.tools and a.stale:
+        print("error: --tools and --stale are two different settings; pass one", file=sys.stderr)
+        return 2
     if a.config is None:
-        a.config = "tiny_tools" if a.tools else "tiny_cpu"
+        a.config = "tiny_tools" if a.tools else "tiny_stale" if a.stale else "tiny_cpu"
+    a.modes = a.modes or (list(STALE_MODES) if a.stale else list(MODES))
+    a.steps = (40 if a.stale else 12) if a.steps is None else a.steps
 
     from rollverify.app.start import resolve_model
     from rollverify.app.train import train
