@@ -9,6 +9,7 @@ generated token. Results come from the last pipeline stage of every DP rank and 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -149,7 +150,9 @@ class MicroBatchRunner:
             raise AssertionError("pipeline stages exchange [S, B, H]: rows per micro-batch must be equal under PP")
         seq_len = max(mb.packed.shape[1] for mb in mbs)  # the whole pack's: Megatron-Core divides by cp (and tp)
         recomputes = not forward_only and self.cfg.recompute == "full"  # selective: core attention, no router
-        with replay.replayed():
+        # a recomputing schedule leaves routes queued for its backward: `replayed` clears them however it ends
+        # (a forward-only or non-recomputing one leaves nothing held, and keeps what `replay.recording` recorded)
+        with replay.replayed() if recomputes else contextlib.nullcontext():
             out = fb(forward_step_func=self._forward_step(loss_of_mb, for_backward=recomputes),
                      data_iterator=iter(mbs), model=[self.model], num_microbatches=len(mbs), seq_length=seq_len,
                      micro_batch_size=mbs[0].packed.shape[0], forward_only=forward_only)

@@ -190,7 +190,8 @@ class Run:
         when it cannot be written, the previous one kept)."""
         from rollverify.app.handoff import CHECKPOINT_KINDS
 
-        self.loop.settle_tools()  # the buffer holds every call's output: none runs again after a restore
+        if self.tools is not None:  # the buffer holds every call's output: none runs again after a restore
+            self.loop.settle_tools()
 
         def write(d: Path) -> None:
             with self._trainer_turn("checkpoint", CHECKPOINT_KINDS):
