@@ -88,10 +88,19 @@ def test_disk_sink_writes_a_checkpoint_both_sides_load(tmp_path):
 
 
 def test_ipc_payload_round_trip():
+    """CPU tensors stand for CUDA ones here; they travel as file descriptors (torch's default strategy), which
+    never wait on torch's shared-memory manager as the file_system strategy's do (tests/test_shm_handshake.py)."""
+    import torch.multiprocessing as tmp
+
     from megatron_bridge.weight_sync import ipc_handles, load_ipc_handles
 
     bucket = [("x", torch.randn(4, 3)), ("y", torch.arange(5))]
-    got = load_ipc_handles(ipc_handles(bucket))
+    saved = tmp.get_sharing_strategy()
+    tmp.set_sharing_strategy("file_descriptor")
+    try:
+        got = load_ipc_handles(ipc_handles(bucket))
+    finally:
+        tmp.set_sharing_strategy(saved)
     assert [n for n, _ in got] == ["x", "y"] and all(torch.equal(a, b) for (_, a), (_, b) in zip(got, bucket,
                                                                                                   strict=True))
 

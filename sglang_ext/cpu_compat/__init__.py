@@ -9,12 +9,16 @@ imported. It works through the environment, which SGLang's scheduler and detoken
   and answers `torch.get_device_module()` with `torch.cpu` (SGLang's memory release calls it).
 
 Nothing in site-packages is edited. `engine_kwargs()` are the engine arguments that work on CPU.
+`retry_shm_handshake()` (applied by `activate()` here and by the shim in SGLang's children) retries the rebuild of
+a tensor shared through torch's file_system strategy when torch's shared-memory manager misses its 1 s handshake.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
+import time
 from pathlib import Path
 
 SHIM_DIR = Path(__file__).resolve().parent / "shim"
@@ -51,7 +55,39 @@ def activate() -> bool:
     import torch.multiprocessing as tmp
 
     tmp.set_sharing_strategy("file_system")
+    retry_shm_handshake()
     return True
+
+
+SHM_HANDSHAKE = "Shared memory manager connection has timed out"
+SHM_ATTEMPTS = 4
+
+
+def retry_shm_handshake() -> None:
+    """A tensor shared through the file_system strategy (the CPU path's weight payloads; CUDA tensors travel as
+    IPC handles and never meet the manager) is rebuilt by registering its file with the sender's
+    `torch_shm_manager`, whose answer libshm awaits for 1 s; a loaded CPU machine sometimes misses that, and the
+    rebuild raises before anything is mapped or cached, so it is tried again (4 tries, 0.5-1.5 s apart). The
+    wrapper keeps the original's module and name, so pickles name the same function as before. Idempotent."""
+    from torch.multiprocessing import reductions
+
+    original = reductions.rebuild_storage_filename
+    if getattr(original, "rollverify_retry", False):
+        return
+
+    @functools.wraps(original)
+    def rebuild_storage_filename(*args, **kwargs):
+        for attempt in range(SHM_ATTEMPTS):
+            try:
+                return original(*args, **kwargs)
+            except RuntimeError as e:
+                if SHM_HANDSHAKE not in str(e) or attempt == SHM_ATTEMPTS - 1:
+                    raise
+                time.sleep(0.5 * (attempt + 1))
+        raise AssertionError("unreachable")
+
+    rebuild_storage_filename.rollverify_retry = True
+    reductions.rebuild_storage_filename = rebuild_storage_filename
 
 
 def engine_kwargs(**overrides) -> dict:

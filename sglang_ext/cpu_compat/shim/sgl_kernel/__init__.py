@@ -6,8 +6,8 @@ scheduler and detokenizer children see it too). Semantics follow SGLang's own Tr
 named below. `torch.ops.sgl_kernel.convert_weight_packed` is deliberately not registered: SGLang then sees no
 AMX and every layer runs its pure-torch `forward_native` path.
 
-Importing it also applies the two host-side fixes SGLang's CPU path needs (see `_patch_host_alloc` and
-`_cpu_device_module`).
+Importing it also applies the three host-side fixes SGLang's CPU path needs (see `_patch_host_alloc`,
+`_cpu_device_module`, and `sglang_ext.cpu_compat.retry_shm_handshake` for the scheduler's weight payloads).
 """
 
 from __future__ import annotations
@@ -170,3 +170,12 @@ def _cpu_device_module(get_device_module):
 
 if not getattr(torch.get_device_module, "rollverify_cpu", False):
     torch.get_device_module = _cpu_device_module(torch.get_device_module)
+
+
+def _retry_shm_handshake() -> None:
+    from sglang_ext.cpu_compat import retry_shm_handshake
+
+    retry_shm_handshake()
+
+
+_retry_shm_handshake()
