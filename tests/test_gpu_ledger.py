@@ -115,6 +115,17 @@ class DryWings:
     def close(self, shutdown=True):
         pass
 
+    def pause(self):
+        self.paused = True
+
+    def wait_finished(self, timeout_s):
+        return []
+
+    def response_ids(self):
+        return []
+
+    ranks = None  # the trainer proxy's rank group: none to kill here
+
     # server side of the handoff
     def memory(self, action, tags):
         self.log.append(f"servers {action} {','.join(tags)}")
@@ -231,6 +242,35 @@ def test_a_paper_config_starts_and_runs_every_phase_within_each_gpu(dry_run, nam
                                                                                          "optimizer"}
             if any("kv_cache" in h for h in holders):
                 assert beside <= ({"params"} if phase == "rollout" else set()), (phase, holders)
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_a_restarted_trainer_starts_in_the_start_up_order_and_is_the_one_the_handoff_moves(dry_run, monkeypatch,
+                                                                                          checkpointed):
+    """A trainer fault mid-rollout (the servers hold their KV pool): the new ranks are built only once the
+    servers have released their memory (beside it they would not fit: the book raises), offloaded, and the
+    restore's push moves the new trainer's state, not the lost one's."""
+    import copy
+
+    import rollverify.app.ray_placement as placement
+
+    run, wings = dry_run("qwen3_8b_base")
+    n = len(run.plan.servers)
+    if checkpointed:
+        run.save()
+    lost = run.trainer
+
+    def start_trainer(model_path, cfg, cluster, **kw):
+        wings.log.append("trainer built")
+        return copy.copy(wings)  # a trainer of its own, logging to the same list
+
+    monkeypatch.setattr(placement, "start_ray_trainer", start_trainer)
+    del wings.log[:]
+    assert run.restart_trainer() == 0
+    assert run.trainer is not lost and run.handoff.trainer is run.trainer
+    load = ["load"] if checkpointed else []
+    assert wings.log == [x.format(n=n) for x in START[1:4]] + load + [x.format(n=n) for x in START[4:]]
+    assert run.book.offloaded == {"params", "grads", "optimizer"} and not run.handoff.released
 
 
 def test_a_ranks_cuda_report_is_held_against_its_entries_and_its_gpu():

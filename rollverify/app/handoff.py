@@ -94,6 +94,14 @@ class Handoff:
             self._offload(TRAINER_KINDS)
         return trainer
 
+    def restart(self, build: Callable[[], T]) -> T:
+        """A trainer that replaces lost ranks (`Run.restart_trainer`), started as the first one was (`start`);
+        the handoff offloads and reloads it from now on. The servers must hold no response (recovery's
+        `forget_responses`), so that they can release their memory; the lost ranks' memory went with their
+        processes."""
+        self.trainer = None
+        return self.start(build)
+
     # --- every step -----------------------------------------------------------------------------------------
 
     def before_training(self) -> None:

@@ -220,8 +220,8 @@ class Run:
         """After a trainer fault: the old ranks killed, new ones from the last checkpoint of this run (none: the
         one it resumed from, else the initial weights), the engines holding nothing of the lost steps and
         serving the restored policy, the loop restored with the checkpoint's buffer. Returns the step it
-        restored. (The colocated GPU start-up order of `start_run` is not repeated: a restart starts the ranks
-        while the servers keep their memory.)"""
+        restored. The new ranks start in `start_run`'s order (`Handoff.restart`: colocated servers release their
+        memory, the ranks are built and offloaded, the restore's push gives the servers their memory back)."""
         from rollverify.app.recovery import forget_responses
 
         self.close_trainer()
@@ -229,13 +229,13 @@ class Run:
             self.loop.close()
         if self.tools is not None:  # calls in flight belong to the lost steps' responses
             self.tools.abandon()
-        self.trainer = self._staged_trainer()
+        forget_responses(self.engine)  # the servers idle, so that the new ranks start as the first did
+        self.trainer = self.handoff.restart(self._staged_trainer)
         weights = self._weight_sync(self.engine, self.trainer)
         self.engine.restart_weights(source=self.trainer.export_weights)
         if hasattr(weights, "restore"):
             self.engine.restart_weights(restore=weights.restore)
         self.loop = self._make_loop(weights)
-        forget_responses(self.engine)
         src = self.out if self.checkpoints.current() is not None else self.resumed_from
         if src is not None:
             self.restore(src)
