@@ -73,6 +73,18 @@ def reap(pids) -> None:
             os.waitpid(pid, os.WNOHANG)
 
 
+TRACKER_GRACE_S = 90  # see is_tracker
+
+
+def is_tracker(pid: int) -> bool:
+    """Python's multiprocessing resource tracker of the killed driver: it exits by itself once every process
+    that holds its pipe has exited, after unlinking what they left registered; on a loaded machine that can take
+    longer than the ranks' watchdogs, so it gets a grace of its own before it counts as left behind."""
+    with contextlib.suppress(psutil.Error):
+        return "multiprocessing.resource_tracker" in " ".join(psutil.Process(pid).cmdline())
+    return False
+
+
 def living(pids) -> list[int]:
     out = []
     for pid in pids:
@@ -231,7 +243,7 @@ class Chaos:
         deadline = time.monotonic() + 90
         while living(pids):
             self.reap()
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline + (TRACKER_GRACE_S if all(map(is_tracker, living(pids))) else 0):
                 break
             time.sleep(0.1)
         left = living(pids)
