@@ -138,8 +138,8 @@ def cli_main(argv: list[str] | None = None) -> int:
     p.add_argument("--overwrite", action="store_true", help="replace the earlier demo that --out holds")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps of each run (default 12; --stale: 40)")
     p.add_argument("--stale", action="store_true",
-                   help="the stalest setting of the partial-rollout search (configs/tiny_stale.yaml: "
-                   "lr 2e-4, max_live 256): on_policy, partial and rollverify, 40 steps each, unless --config, "
+                   help="the setting where naive partial rollout loses accuracy (configs/tiny_stale.yaml: "
+                   "lr 1e-3, no TIS, max_live 256): on_policy, partial and rollverify, 40 steps each, unless --config, "
                    "--modes or --steps say otherwise")
     p.add_argument(
         "--modes", nargs="+", default=None, help="algo.mode of each run; on_policy is the baseline "
