@@ -312,11 +312,11 @@ def run_all(out: Path, names: list[str], seeds: list[int], extra: list[str], log
                        log_path=out / "server.log") as server:
         for name, seed in todo:
             run_dir = out / name / f"s{seed}"
-            cfg = load_config(config, [*RUNS[name], *extra, f"seed={seed}",
-                                           f'rollout.endpoints=["{server.endpoint}"]'])
             t0 = time.perf_counter()
             print(f"[paper_tables] {name} seed {seed} -> {run_dir}", flush=True)
-            try:
+            try:  # a row the base config refuses (e.g. a correction that needs TIS) is reported like a failed run
+                cfg = load_config(config, [*RUNS[name], *extra, f"seed={seed}",
+                                           f'rollout.endpoints=["{server.endpoint}"]'])
                 train(cfg, run_dir, progress=False, overwrite=run_dir.exists())
                 log["ran"].append([name, seed, time.perf_counter() - t0])
             except Exception:  # one failed run must not stop the batch: it is reported and rerun next time
