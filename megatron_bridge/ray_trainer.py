@@ -186,8 +186,10 @@ class RayRanks:
             ready, pending = ray.wait(pending, num_returns=1, timeout=self.timeout_s)
             if not ready:
                 late = ", ".join(self._name(ranks[index[r]]) for r in pending)
-                raise RankFailure(ranks[index[pending[0]]], what, "silent",
-                                  f"no reply within {self.timeout_s:.0f} s from {late} (trainer.call_timeout_s)")
+                first = ranks[index[pending[0]]]
+                raise RankFailure(first, what, "silent",
+                                  f"no reply within {self.timeout_s:.0f} s from {late} (trainer.call_timeout_s)",
+                                  self._where[first])
             i = index[ready[0]]
             try:
                 out[i] = ray.get(ready[0], timeout=0)

@@ -73,11 +73,7 @@ class Run:
             self._close_cluster()
             raise
         try:
-            # a restarted server gets the current policy through this process (the local launcher) or through
-            # the run's transport
-            self.engine.restart_weights(source=self.trainer.export_weights)
-            if hasattr(weights, "restore"):
-                self.engine.restart_weights(restore=weights.restore)
+            self._serve_restarted_servers(weights)
             if cfg.rollout.endpoints:
                 self.engine.update_weights(self.trainer.export_weights(), 0)
         except BaseException:
@@ -124,6 +120,13 @@ class Run:
         from rollverify.app.handoff import make_weights
 
         return make_weights(self.cfg, engine, trainer, self.handoff)
+
+    def _serve_restarted_servers(self, weights) -> None:
+        """A restarted server gets the current trainer's policy through this process (the local launcher) or
+        through the run's transport."""
+        self.engine.restart_weights(source=self.trainer.export_weights)
+        if hasattr(weights, "restore"):
+            self.engine.restart_weights(restore=weights.restore)
 
     def _make_loop(self, weights) -> Loop | AsyncLoop:
         """A fresh loop of the configured schedule over the current engine, trainer and weight sync."""
@@ -232,9 +235,7 @@ class Run:
         forget_responses(self.engine)  # the servers idle, so that the new ranks start as the first did
         self.trainer = self.handoff.restart(self._staged_trainer)
         weights = self._weight_sync(self.engine, self.trainer)
-        self.engine.restart_weights(source=self.trainer.export_weights)
-        if hasattr(weights, "restore"):
-            self.engine.restart_weights(restore=weights.restore)
+        self._serve_restarted_servers(weights)
         self.loop = self._make_loop(weights)
         src = self.out if self.checkpoints.current() is not None else self.resumed_from
         if src is not None:
