@@ -95,7 +95,11 @@ def check_verified(steps: list[dict], cfg) -> None:
 
 
 def test_servers_generate_while_the_trainer_trains_with_every_trained_token_verified(tiny_moe, tmp_path):
-    cfg = load_config(None, [*ASYNC, "trainer.steps=4", f"rollout.endpoints=[\"{tiny_moe.endpoint}\"]"])
+    # max_live B * n bounds the groups launched under version 0 whatever the load: a group launches only while
+    # fewer than B finished groups wait and n responses fit beside the live ones, so at most max_live - n + 2 = 4
+    # groups wait untrained at any time, and at most 2 + 4 of the 8 trained groups were launched before version 1
+    cfg = load_config(None, [*ASYNC, "trainer.steps=4", "rollout.max_live=4",
+                             f"rollout.endpoints=[\"{tiny_moe.endpoint}\"]"])
     (tmp_path / "run").mkdir()
     r = Run(cfg, tmp_path / "run")
     try:
@@ -110,7 +114,7 @@ def test_servers_generate_while_the_trainer_trains_with_every_trained_token_veri
         assert all(s["polled_meanwhile"] for s in steps)
         assert sum(m["tokens_generated"] for m in rows) > sum(m["trained_tokens"] for m in rows) > 0
         versions = {int(v) for s in steps for _, ver in s["tokens"] for v in ver}
-        assert len(versions) >= 2  # trained tokens came from more than one policy version
+        assert len(versions) >= 2  # step 1 trained version 0's tokens; the last steps' groups launched later
     finally:
         r.close()
 
