@@ -74,6 +74,11 @@ class EventQueue:
         while self.pending and self.pending[0].seq <= after:
             self.pending.popleft()
 
+    def discard(self, rids: set[str]) -> None:
+        """Forget the pending events of these responses (dropped: no controller is owed them, and one that
+        submits the id again must not read the old response's finish as the new one's)."""
+        self.pending = deque(e for e in self.pending if e.rid not in rids)
+
     async def wait(self, timeout_s: float) -> None:
         """Until an event is pushed or `timeout_s` passed."""
         fut = asyncio.get_running_loop().create_future()
@@ -281,7 +286,9 @@ class Records:
         return time.perf_counter() - t0
 
     def drop(self, recs: list[Record]) -> None:
-        """Forget responses; a running one's engine request is aborted in the background."""
+        """Forget responses, their unacknowledged events too; a running one's engine request is aborted in the
+        background."""
+        self.events.discard({rec.rid for rec in recs})
         for rec in recs:
             if rec.state is State.RUNNING and rec.task is not None:
                 self._spawn(self._drain(rec.task, f"{rec.rid}#{rec.launches}"))

@@ -117,10 +117,12 @@ class Mirror:
 
     async def submit(self, reqs, sampling=None) -> None:
         await self.conn.submit(reqs, sampling)
-        for q in reqs:
-            empty = np.zeros(0, np.int32)
-            self.responses[q.rid] = Tracked(q.rid, np.asarray(q.prompt_ids, np.int32), empty,
-                                            np.zeros(0, np.float32), empty)
+        for q in reqs:  # held from the submitted prefix on (log-prob NaN and version -1 where not given)
+            n = len(q.prefix_ids)
+            lp = np.full(n, np.nan, np.float32) if q.prefix_logprobs is None else np.asarray(q.prefix_logprobs)
+            ver = np.full(n, -1, np.int32) if q.prefix_versions is None else np.asarray(q.prefix_versions)
+            self.responses[q.rid] = Tracked(q.rid, np.asarray(q.prompt_ids, np.int32),
+                                            np.asarray(q.prefix_ids, np.int32), lp, ver)
 
     async def _poll(self, wait_s: float) -> None:
         batch, server_seq = await self.conn.events(self.last_seq, wait_s)

@@ -114,6 +114,60 @@ def test_truncate_then_resume_continues_from_the_kept_prefix(served):
     run(main())
 
 
+def test_a_prefix_that_fills_its_budget_finishes_as_length_at_its_launch(dense_server):
+    """A response paused with every budgeted token (SGLang's abort racing its length check), then checkpointed or
+    moved off a lost server, is submitted whole: it finishes at its launch, keeping its tokens, generating none."""
+
+    async def main():
+        await reset_server(dense_server)
+        async with dense_server.client(poll_wait_s=0.2) as c:
+            await c.submit([SubmitRequest("full", [5, 6], 3, prefix_ids=[7, 8, 9])])
+            out = await c.next_finished(60)
+            tr = c.responses["full"]
+            assert out.rid == "full" and len(out.token_ids) == 0  # nothing generated
+            assert tr.finish_reason == "length" and tr.token_ids.tolist() == [7, 8, 9]
+            await c.pause()  # a paused server holds it until the resume launches it
+            await c.submit([SubmitRequest("held", [5, 6], 2, prefix_ids=[7, 8])])
+            assert not c.responses["held"].finished
+            await c.resume()
+            out = await c.next_finished(60)
+            tr = c.responses["held"]
+            assert out.rid == "held" and tr.finish_reason == "length" and tr.token_ids.tolist() == [7, 8]
+
+    run(main())
+
+
+def test_a_dropped_response_leaves_no_event_for_a_resubmitted_id(dense_server):
+    """A killed driver's finished responses wait unacknowledged; the resumed driver drops them all and submits
+    the same ids from its checkpoint: it reads only the new responses' finishes."""
+
+    async def main():
+        await reset_server(dense_server)
+        async with dense_server.client(poll_wait_s=0.2) as c:
+            conn = c.conn
+            await conn.submit([SubmitRequest("d", [5, 6], 4, sampling={"ignore_eos": True})])
+            seen: list = []
+            deadline = time.monotonic() + 60
+            while not seen:  # read without acknowledging, as a driver killed now would have
+                assert time.monotonic() < deadline, "no finish in 60 s"
+                batch, _ = await conn.events(0, 1.0)
+                seen = [o for o in batch.outputs() if o.rid == "d"]
+            assert seen[0].offset == 0 and len(seen[0].token_ids) == 4
+            await conn.drop(all=True)
+            batch, _ = await conn.events(0, 0.0)
+            assert [o.rid for o in batch.outputs()] == []
+            await conn.submit([SubmitRequest("d", [5, 6], 2, prefix_ids=[7], sampling={"ignore_eos": True})])
+            seen = []
+            deadline = time.monotonic() + 60
+            while not seen:
+                assert time.monotonic() < deadline, "no finish in 60 s"
+                batch, _ = await conn.events(0, 1.0)
+                seen = [o for o in batch.outputs() if o.rid == "d"]
+            assert [(o.offset, len(o.token_ids)) for o in seen] == [(1, 1)]
+
+    run(main())
+
+
 def _buckets(path, n=3):
     import torch
     from safetensors.numpy import load_file
@@ -386,8 +440,8 @@ def test_bad_input_gets_a_named_error_and_changes_nothing(dense_server):
             await err(ErrorCode.INVALID, "outside [0, 128)", conn.submit([SubmitRequest("x", [5, 500], 5)]))
             await err(
                 ErrorCode.INVALID,
-                "leaves no budget",
-                conn.submit([SubmitRequest("x", [5], 2, prefix_ids=[7, 8])]),
+                "exceeds its budget max_new_tokens 2",
+                conn.submit([SubmitRequest("x", [5], 2, prefix_ids=[7, 8, 9])]),
             )
             body, arrays = _encode_submit([SubmitRequest("x", [5, 6], 5)], None, None)
             body["sampling"] = {"temperature": 1.0, "frequency_penalty": 0.5}

@@ -105,13 +105,16 @@ def check_token_ids(body: SubmitBody, arrays: SubmitArrays, vocab: int) -> None:
 
 
 def check_budgets(items: list[SubmitItem], context_len: int) -> None:
-    """A prefix leaves budget to generate, and prompt + budget fit the context (0: unknown, unchecked)."""
+    """A prefix fits the budget, and prompt + budget fit the context (0: unknown, unchecked). A prefix that fills
+    its budget is a whole response (its launch finishes it as "length", as it does a paused one at its budget):
+    SGLang's abort can race its length check, so a response may be paused, checkpointed or resubmitted after a
+    lost server with every budgeted token and no finish."""
     ctx = context_len
     for it in items:
-        if it.prefix_len >= it.max_new_tokens:
+        if it.prefix_len > it.max_new_tokens:
             raise ProtocolError(
                 ErrorCode.INVALID,
-                f"response {it.rid}: prefix_len {it.prefix_len} leaves no budget of max_new_tokens {it.max_new_tokens}",
+                f"response {it.rid}: prefix_len {it.prefix_len} exceeds its budget max_new_tokens {it.max_new_tokens}",
             )
         if ctx and it.prompt_len + it.max_new_tokens > ctx:
             raise ProtocolError(
@@ -119,7 +122,7 @@ def check_budgets(items: list[SubmitItem], context_len: int) -> None:
                 f"response {it.rid}: prompt {it.prompt_len} + max_new_tokens {it.max_new_tokens} exceed the "
                 f"context length {ctx}",
             )
-        if ctx and it.prompt_len + it.prefix_len >= ctx:
+        if ctx and it.prefix_len < it.max_new_tokens and it.prompt_len + it.prefix_len >= ctx:
             raise ProtocolError(
                 ErrorCode.INVALID,
                 f"response {it.rid}: prompt + prefix of {it.prompt_len + it.prefix_len} tokens reach the context length {ctx}",
