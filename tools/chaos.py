@@ -73,16 +73,47 @@ def reap(pids) -> None:
             os.waitpid(pid, os.WNOHANG)
 
 
-TRACKER_GRACE_S = 90  # see is_tracker
-
-
 def is_tracker(pid: int) -> bool:
-    """Python's multiprocessing resource tracker of the killed driver: it exits by itself once every process
-    that holds its pipe has exited, after unlinking what they left registered; on a loaded machine that can take
-    longer than the ranks' watchdogs, so it gets a grace of its own before it counts as left behind."""
+    """Python's multiprocessing resource tracker (of a driver, or of a rank that started one)."""
     with contextlib.suppress(psutil.Error):
         return "multiprocessing.resource_tracker" in " ".join(psutil.Process(pid).cmdline())
     return False
+
+
+def pipe_holders(pid: int) -> dict[int, str]:
+    """The other processes holding the pipe a resource tracker reads (`main(FD)` in its command line): while one
+    lives the tracker cannot see the end of its input."""
+    out: dict[int, str] = {}
+    with contextlib.suppress(psutil.Error, OSError, ValueError):
+        cmd = " ".join(psutil.Process(pid).cmdline())
+        fd = int(cmd.rsplit("main(", 1)[1].split(")", 1)[0])
+        pipe = os.readlink(f"/proc/{pid}/fd/{fd}")
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit() or int(proc.name) == pid:
+                continue
+            with contextlib.suppress(OSError):
+                for f in (proc / "fd").iterdir():
+                    with contextlib.suppress(OSError):
+                        if os.readlink(f) == pipe:
+                            with contextlib.suppress(psutil.Error):
+                                out[int(proc.name)] = " ".join(psutil.Process(int(proc.name)).cmdline())[:200]
+                            break
+    return out
+
+
+def left_behind(pids) -> tuple[list[int], dict[int, dict[int, str]]]:
+    """Those of `pids` still alive, and the living processes that keep a resource tracker among them alive, with
+    each tracker's holders. A tracker exits by itself, after unlinking what its clients left registered, once it
+    reads the end of its pipe, that is once no other process holds the pipe: one without holders is on its way
+    out, however long a loaded machine takes it to go; one with holders is kept by them, and they are named."""
+    left, holders = [], {}
+    for pid in living(pids):
+        if not is_tracker(pid):
+            left.append(pid)
+        elif held := pipe_holders(pid):
+            holders[pid] = held
+            left += [pid, *(h for h in held if h not in pids)]
+    return sorted(set(left)), holders
 
 
 def living(pids) -> list[int]:
@@ -241,12 +272,10 @@ class Chaos:
         self.driver.send_signal(signal.SIGKILL)
         self.driver.wait()
         deadline = time.monotonic() + 90
-        while living(pids):
+        while (left := left_behind(pids)[0]) and time.monotonic() < deadline:
             self.reap()
-            if time.monotonic() > deadline + (TRACKER_GRACE_S if all(map(is_tracker, living(pids))) else 0):
-                break
             time.sleep(0.1)
-        left = living(pids)
+        left, holders = left_behind(pids)
         what = {}
         for pid in left:  # what they are, for the report
             with contextlib.suppress(psutil.Error):
@@ -258,6 +287,7 @@ class Chaos:
         ckpt = json.loads((self.out / "checkpoint" / "loop.json").read_text())["step"] \
             if (self.out / "checkpoint" / "loop.json").is_file() else 0
         rec = {"time": t0, "pid": self.driver.pid, "processes": len(pids), "left_behind": left, "left_what": what,
+               "tracker_pipe_holders": holders,
                "exit_s": time.time() - t0, "checkpoint_step": ckpt}
         rec["started_again"] = not self.start_again()
         return rec
@@ -347,8 +377,8 @@ class Chaos:
             self.reap()
             report = audit(self.out, self.a.steps, self.py, self.env, load=self.a.load_check)
             report.update(faults_report(self.events, read_faults(self.out), self.timeline, read_metrics(self.out)))
-            left = living(self.seen_pids)
-            report["processes_left"] = left
+            left, holders = left_behind(self.seen_pids)
+            report["processes_left"], report["tracker_pipe_holders"] = left, holders
             report["checks"]["no_process_left"] = not left and not any(e.get("left_behind") for e in self.events)
             report.update(wall_s=wall, seed=self.a.seed, steps=self.a.steps, checkpoint_every=self.a.checkpoint_every,
                           events=self.events, fill_on_tmpfs=self.mounted)
