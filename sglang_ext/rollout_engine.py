@@ -253,13 +253,20 @@ class SGLangRolloutEngine:
         return [got[rid] for rid in reqs]
 
     def reset(self) -> None:
-        """Forget whatever the servers hold from an earlier run and leave them generating (not paused)."""
+        """Forget whatever the servers hold from an earlier run and leave them generating (not paused).
+
+        The feeds may have delivered finish events of the earlier run's responses before the drops (they poll
+        from their start); read after this engine submits the same ids again (a resumed run does), they would
+        pass for the new responses' output. A connection's replies arrive in order, so once a drop has
+        returned its server's feed has delivered every such event, and the server discarded the rest."""
         for s in self.pool.alive():
             self.pool.run(s.conn.drop(all=True))
             if s.paused:
                 self.pool.run(s.conn.resume())
                 s.paused = False
         self.paused = False
+        self.pool.take_events(0.0)
+        self._deferred = []
 
     def health(self) -> list[dict]:
         return [self._query(s, s.conn.health(timeout_s=10.0)) for s in self.pool.servers]

@@ -168,6 +168,40 @@ def test_a_dropped_response_leaves_no_event_for_a_resubmitted_id(dense_server):
     run(main())
 
 
+def test_a_reset_engine_reads_none_of_an_earlier_controllers_finishes(dense_server):
+    """A driver killed with a finish unacknowledged; the resumed one connects (its feed delivers that finish at
+    once), resets the server and submits the same id from its checkpoint: it reads only the new output."""
+
+    async def earlier():
+        await reset_server(dense_server)
+        async with dense_server.client(poll_wait_s=0.2) as c:
+            await c.conn.submit([SubmitRequest("0-0", [5, 6], 6, sampling={"ignore_eos": True})])
+            deadline = time.monotonic() + 60
+            while True:  # finished, read and never acknowledged
+                assert time.monotonic() < deadline, "no finish in 60 s"
+                batch, _ = await c.conn.events(0, 1.0)
+                if "0-0" in list(batch.rids):
+                    return
+
+    run(earlier())
+    with SGLangRolloutEngine([dense_server.endpoint], curve=dense_server.curve, poll_wait_s=0.1) as engine:
+        deadline = time.monotonic() + 60
+        while engine.pool.events.empty():  # the new feed has delivered the earlier finish
+            assert time.monotonic() < deadline, "the feed delivered nothing in 60 s"
+            time.sleep(0.02)
+        engine.reset()
+        response = Group.new(0, [5, 6], 1, 6).responses[0]
+        response.append([7, 8], [-1.0, -1.0], 0)  # the checkpoint's copy: 2 tokens, unfinished
+        engine.submit([response], WireSamplingParams(ignore_eos=True))
+        chunks: list = []
+        deadline = time.monotonic() + 60
+        while not any(c.finish_reason for c in chunks):
+            assert time.monotonic() < deadline, "no finish in 60 s"
+            chunks += engine.wait_finished(1.0)
+        assert [(c.response_id, c.offset, len(c.token_ids)) for c in chunks] == [("0-0", 2, 4)]
+        engine.drop(["0-0"])
+
+
 def _buckets(path, n=3):
     import torch
     from safetensors.numpy import load_file
