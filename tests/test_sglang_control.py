@@ -137,6 +137,17 @@ def test_a_prefix_that_fills_its_budget_finishes_as_length_at_its_launch(dense_s
     run(main())
 
 
+async def _finish_of(conn, rid: str, timeout_s: float = 60.0) -> list:
+    """Poll the server's events, acknowledging none (as a driver killed meanwhile would have), until `rid`'s
+    finish is there; its outputs."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert time.monotonic() < deadline, f"no finish of {rid} in {timeout_s:.0f} s"
+        batch, _ = await conn.events(0, 1.0)
+        if seen := [o for o in batch.outputs() if o.rid == rid]:
+            return seen
+
+
 def test_a_dropped_response_leaves_no_event_for_a_resubmitted_id(dense_server):
     """A killed driver's finished responses wait unacknowledged; the resumed driver drops them all and submits
     the same ids from its checkpoint: it reads only the new responses' finishes."""
@@ -146,23 +157,13 @@ def test_a_dropped_response_leaves_no_event_for_a_resubmitted_id(dense_server):
         async with dense_server.client(poll_wait_s=0.2) as c:
             conn = c.conn
             await conn.submit([SubmitRequest("d", [5, 6], 4, sampling={"ignore_eos": True})])
-            seen: list = []
-            deadline = time.monotonic() + 60
-            while not seen:  # read without acknowledging, as a driver killed now would have
-                assert time.monotonic() < deadline, "no finish in 60 s"
-                batch, _ = await conn.events(0, 1.0)
-                seen = [o for o in batch.outputs() if o.rid == "d"]
+            seen = await _finish_of(conn, "d")
             assert seen[0].offset == 0 and len(seen[0].token_ids) == 4
             await conn.drop(all=True)
             batch, _ = await conn.events(0, 0.0)
             assert [o.rid for o in batch.outputs()] == []
             await conn.submit([SubmitRequest("d", [5, 6], 2, prefix_ids=[7], sampling={"ignore_eos": True})])
-            seen = []
-            deadline = time.monotonic() + 60
-            while not seen:
-                assert time.monotonic() < deadline, "no finish in 60 s"
-                batch, _ = await conn.events(0, 1.0)
-                seen = [o for o in batch.outputs() if o.rid == "d"]
+            seen = await _finish_of(conn, "d")
             assert [(o.offset, len(o.token_ids)) for o in seen] == [(1, 1)]
 
     run(main())
@@ -176,12 +177,7 @@ def test_a_reset_engine_reads_none_of_an_earlier_controllers_finishes(dense_serv
         await reset_server(dense_server)
         async with dense_server.client(poll_wait_s=0.2) as c:
             await c.conn.submit([SubmitRequest("0-0", [5, 6], 6, sampling={"ignore_eos": True})])
-            deadline = time.monotonic() + 60
-            while True:  # finished, read and never acknowledged
-                assert time.monotonic() < deadline, "no finish in 60 s"
-                batch, _ = await c.conn.events(0, 1.0)
-                if "0-0" in list(batch.rids):
-                    return
+            await _finish_of(c.conn, "0-0")  # finished, read and never acknowledged
 
     run(earlier())
     with SGLangRolloutEngine([dense_server.endpoint], curve=dense_server.curve, poll_wait_s=0.1) as engine:

@@ -7,8 +7,13 @@ trainer's initial weights first); every run checks the accounting invariant afte
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 from engine_fixtures import SMALL_RUN
 
@@ -275,13 +280,70 @@ def _driver_logs(tmp_path) -> str:
 
 
 def _chaos_module():
-    import sys
-    from pathlib import Path
-
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
     import chaos
 
     return chaos
+
+
+# a "driver": starts its resource tracker, spawns a child (which inherits the tracker's pipe, as a trainer rank
+# does), prints its tracker's pid and the child's and waits
+TRACKER_DRIVER = """
+import multiprocessing as mp, sys, time
+from multiprocessing import resource_tracker
+
+def child():
+    time.sleep(600)
+
+if __name__ == "__main__":
+    resource_tracker.ensure_running()
+    p = mp.get_context("spawn").Process(target=child, daemon=False)
+    p.start()
+    print(resource_tracker._resource_tracker._pid, p.pid, flush=True)
+    time.sleep(600)
+"""
+
+
+def _wait_exited(pid: int, timeout_s: float = 60.0) -> None:
+    """Until `pid` has exited (gone, or a zombie: an orphan whose reaper has not collected it holds no files)."""
+    try:
+        proc = psutil.Process(pid)
+        deadline = time.monotonic() + timeout_s
+        while proc.status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, f"process {pid} did not exit in {timeout_s:.0f} s"
+            time.sleep(0.05)
+    except psutil.NoSuchProcess:
+        pass
+
+
+def test_a_tracker_counts_while_a_process_holds_its_pipe_and_its_holder_is_named(tmp_path):
+    """tools/chaos.py's account of what a killed driver leaves: a real resource tracker, kept alive by a spawned
+    child that holds its pipe, is left behind with its holder named (also a holder outside the given tree); once
+    the holder is gone, the tracker has read the end of its pipe and no longer counts."""
+    chaos = _chaos_module()
+    script = tmp_path / "driver.py"
+    script.write_text(TRACKER_DRIVER)
+    driver = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    child = None
+    try:
+        tracker, child = (int(x) for x in driver.stdout.readline().split())
+        assert chaos.is_tracker(tracker) and not chaos.is_tracker(child)
+        assert set(chaos.pipe_holders(tracker)) == {driver.pid, child}
+        driver.send_signal(signal.SIGKILL)
+        driver.wait()
+        left, holders = chaos.left_behind([driver.pid, tracker, child])
+        assert left == sorted([tracker, child]) and list(holders[tracker]) == [child]
+        # the child outside the tree given: still named, as what keeps the tracker
+        left, holders = chaos.left_behind([driver.pid, tracker])
+        assert left == sorted([tracker, child]) and list(holders[tracker]) == [child]
+        psutil.Process(child).kill()
+        _wait_exited(child)
+        left, holders = chaos.left_behind([driver.pid, tracker, child])
+        assert left == [] and holders == {}  # the tracker has its pipe's end, exiting or gone
+    finally:
+        for pid in (driver.pid, child):
+            if pid is not None and psutil.pid_exists(pid):
+                psutil.Process(pid).kill()
 
 
 @pytest.mark.slow
@@ -321,9 +383,6 @@ def test_a_short_chaos_run_kills_a_rank_and_the_driver_and_fills_the_checkpoint_
     """tools/chaos.py on the module's server: a trainer rank and the driver SIGKILLed at seeded moments, the
     checkpoint folder (a tmpfs, as root) filled once; the run finishes with its books exact and no process left.
     (The 60-step run with server kills is the slow test below.)"""
-    import subprocess
-    import sys
-
     cmd = [sys.executable, "tools/chaos.py", "--out", str(tmp_path / "chaos"), "--steps", "8",
            "--checkpoint-every", "2", "--servers", "0", "--ranks", "1", "--drivers", "1", "--fill", "1",
            "--endpoint", server.endpoint, "--no-load-check", "--timeout-s", "600", "--seed", "1"]
@@ -341,9 +400,6 @@ def test_a_short_chaos_run_kills_a_rank_and_the_driver_and_fills_the_checkpoint_
 def test_chaos_run_of_60_steps(tmp_path):
     """The documented chaos run (docs/results.md): 60 steps, its own server (killed too), ranks, the driver
     twice, the checkpoint disk once; the final checkpoint loads in a fresh trainer."""
-    import subprocess
-    import sys
-
     cmd = ["nice", "-n", "19", sys.executable, "tools/chaos.py", "--out", str(tmp_path / "chaos"), "--steps", "60",
            "--seed", "0"]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], timeout=3600)

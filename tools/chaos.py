@@ -83,21 +83,27 @@ def is_tracker(pid: int) -> bool:
 def pipe_holders(pid: int) -> dict[int, str]:
     """The other processes holding the pipe a resource tracker reads (`main(FD)` in its command line): while one
     lives the tracker cannot see the end of its input."""
-    out: dict[int, str] = {}
     with contextlib.suppress(psutil.Error, OSError, ValueError):
-        cmd = " ".join(psutil.Process(pid).cmdline())
-        fd = int(cmd.rsplit("main(", 1)[1].split(")", 1)[0])
+        fd = int(" ".join(psutil.Process(pid).cmdline()).rsplit("main(", 1)[1].split(")", 1)[0])
         pipe = os.readlink(f"/proc/{pid}/fd/{fd}")
-        for proc in Path("/proc").iterdir():
-            if not proc.name.isdigit() or int(proc.name) == pid:
-                continue
+        return {p.pid: _command(p.pid) for p in psutil.process_iter() if p.pid != pid and pipe in _fd_targets(p.pid)}
+    return {}
+
+
+def _command(pid: int) -> str:
+    """A process's command line, shortened for a report ("" once it is gone)."""
+    with contextlib.suppress(psutil.Error):
+        return " ".join(psutil.Process(pid).cmdline())[:200]
+    return ""
+
+
+def _fd_targets(pid: int) -> set[str]:
+    """What a process's file descriptors point at (empty when they cannot be read)."""
+    out = set()
+    with contextlib.suppress(OSError):
+        for f in Path(f"/proc/{pid}/fd").iterdir():
             with contextlib.suppress(OSError):
-                for f in (proc / "fd").iterdir():
-                    with contextlib.suppress(OSError):
-                        if os.readlink(f) == pipe:
-                            with contextlib.suppress(psutil.Error):
-                                out[int(proc.name)] = " ".join(psutil.Process(int(proc.name)).cmdline())[:200]
-                            break
+                out.add(os.readlink(f))
     return out
 
 
@@ -272,14 +278,11 @@ class Chaos:
         self.driver.send_signal(signal.SIGKILL)
         self.driver.wait()
         deadline = time.monotonic() + 90
-        while (left := left_behind(pids)[0]) and time.monotonic() < deadline:
+        while left_behind(pids)[0] and time.monotonic() < deadline:
             self.reap()
             time.sleep(0.1)
         left, holders = left_behind(pids)
-        what = {}
-        for pid in left:  # what they are, for the report
-            with contextlib.suppress(psutil.Error):
-                what[pid] = " ".join(psutil.Process(pid).cmdline())[:200]
+        what = {pid: _command(pid) for pid in left}  # what they are, for the report
         for pid in left:  # counted as a failure below; ours to end all the same
             with contextlib.suppress(psutil.NoSuchProcess):
                 psutil.Process(pid).kill()
