@@ -114,6 +114,8 @@ class Records:
         self.tokens_prefix_cached = 0
         self.engine_calls = engine_calls
         self._spawn = spawn
+        # the engine requests of dropped responses until each has ended (`drop` aborts them in the background)
+        self.draining: set[asyncio.Task] = set()
         self.route_shape: RouteShape | None = None
         if engine.routes:
             info = engine.info
@@ -166,7 +168,12 @@ class Records:
                 {"rids": [rid for rid, _ in bad[:100]]},
             )
 
-    def require_idle(self, what: str) -> None:
+    async def require_idle(self, what: str) -> None:
+        """No response generates and no dropped response's engine request runs: an engine operation (weights,
+        memory, flush) meets an engine without requests. Waits for the dropped ones (each `_drain` ends within
+        STOP_TIMEOUT_S); BUSY while a held response generates."""
+        if self.draining:
+            await asyncio.wait(set(self.draining))
         n = len(self.in_state(State.RUNNING))
         if n:
             raise ProtocolError(
@@ -291,7 +298,9 @@ class Records:
         self.events.discard({rec.rid for rec in recs})
         for rec in recs:
             if rec.state is State.RUNNING and rec.task is not None:
-                self._spawn(self._drain(rec.task, f"{rec.rid}#{rec.launches}"))
+                drain = self._spawn(self._drain(rec.task, f"{rec.rid}#{rec.launches}"))
+                self.draining.add(drain)
+                drain.add_done_callback(self.draining.discard)
             del self.table[rec.rid]
             rec.state = State.FINISHED
 

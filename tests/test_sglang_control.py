@@ -198,6 +198,32 @@ def test_a_reset_engine_reads_none_of_an_earlier_controllers_finishes(dense_serv
         engine.drop(["0-0"])
 
 
+def test_a_weight_update_right_after_a_drop_waits_for_the_dropped_requests_to_end(dense_server):
+    """Dropping running responses aborts their engine requests in the background; a weight load sent at once
+    (a driver that restarts its trainer forgets its responses, then pushes) must meet an engine that runs none of
+    them, or SGLang loads the weights and refuses to flush its cache."""
+
+    async def main():
+        await reset_server(dense_server)
+        async with dense_server.client(poll_wait_s=0.2) as c:
+            for round_ in range(3):
+                reqs = [SubmitRequest(f"x{round_}-{i}", [30 + i, 31, 32], 400, sampling={"ignore_eos": True})
+                        for i in range(8)]
+                await c.submit(reqs)
+                await progress(c, 2)
+                await c.resume()  # every response is generating again
+                await c.conn.drop(all=True)
+                await c.update_weights_from_disk(dense_server.model, version=round_ + 1)
+                assert (await c.health())["version"] == round_ + 1
+            await c.submit([SubmitRequest("after", [40, 41, 42], 6, sampling={"ignore_eos": True})])
+            await c.next_finished(120)
+            tr = c.responses["after"]
+            assert (tr.versions == 3).all()
+            check_hf(dense_server, tr)
+
+    run(main())
+
+
 def _buckets(path, n=3):
     import torch
     from safetensors.numpy import load_file

@@ -134,7 +134,7 @@ class TransportHandlers:
     async def memory(self, body: MemoryBody, msg: Message) -> Reply:
         """Release or resume SGLang's memory of `tags` (all three when empty)."""
         tags = list(dict.fromkeys(body.tags or MEMORY_TAGS))
-        self.records.require_idle(f"memory {body.action}")
+        await self.records.require_idle(f"memory {body.action}")
         if self.stream is not None:
             raise ProtocolError(ErrorCode.BUSY, f"memory {body.action}: a weight version is being streamed")
         if body.action == "release":
@@ -170,7 +170,7 @@ class TransportHandlers:
                       tensors: int) -> Reply:
         """Bucket `index` of `version`: bucket 0 opens SGLang's weight-update session; a bucket out of sequence
         ends the stream (as an abort would)."""
-        self.records.require_idle(f"update_weights_{transport}")
+        await self.records.require_idle(f"update_weights_{transport}")
         stream = self.stream
         if index == 0 and stream is None:
             stream = Stream(transport, version)

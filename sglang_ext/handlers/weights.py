@@ -77,7 +77,7 @@ class WeightHandlers:
 
     async def update_weights(self, body: UpdateWeightsBody, msg: Message) -> Reply:
         """Stage one bucket; the commit bucket applies every staged tensor at once and sets the version."""
-        self.records.require_idle("update_weights")
+        await self.records.require_idle("update_weights")
         staged = self._next_stage(body)
         self.staged = None  # re-set below only if this bucket is valid
         staged.buckets.append(self._decode_tensors(msg))
@@ -142,7 +142,7 @@ class WeightHandlers:
         """Load a checkpoint folder whose weights match the served model's names, shapes and dtypes."""
         from sglang_ext.engine import ModelFolderError, inspect_model_folder
 
-        self.records.require_idle("update_weights_from_disk")
+        await self.records.require_idle("update_weights_from_disk")
         try:
             other = inspect_model_folder(body.path)
         except (ModelFolderError, OSError, ValueError) as e:  # OSError/ValueError: an unusable path (NUL, too long)
@@ -163,7 +163,7 @@ class WeightHandlers:
         return {"version": self.records.version, "committed": True, "engine_s": time.perf_counter() - t0}, None, None
 
     async def flush(self, body: FlushBody, msg: Message) -> Reply:
-        self.records.require_idle("flush")
+        await self.records.require_idle("flush")
         async with self.server.engine_calls.call():
             await self.server.engine.flush()
         return {"flushed": True}, None, None
