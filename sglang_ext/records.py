@@ -114,7 +114,7 @@ class Records:
         self.tokens_prefix_cached = 0
         self.engine_calls = engine_calls
         self._spawn = spawn
-        # the engine requests of dropped responses until each has ended (`drop` aborts them in the background)
+        # one task per dropped response's engine request, aborting it until it has ended (`drop`, `_drain`)
         self.draining: set[asyncio.Task] = set()
         self.route_shape: RouteShape | None = None
         if engine.routes:
