@@ -70,6 +70,9 @@ def _rank(rank: int, world_size: int):
     import torch.distributed as dist
 
     from megatron_bridge.weight_sync import IpcPeer, IpcSender, IpcServer, TransportSink, ipc_group
+    from sglang_ext.cpu_compat import retry_shm_handshake
+
+    retry_shm_handshake()  # the payloads are opened here as SGLang's children open them: with the same retry
 
     serialize_flattened = _serialize
 
