@@ -178,9 +178,11 @@ def mismatch(seqs: list[TrainSequence | None], old: list[np.ndarray], policy_ver
 
 
 def _diff_stats(prefix: str, parts: list[np.ndarray]) -> dict[str, float]:
-    """`{prefix}_tokens` and, over at least one token, the mean and max |difference| and mean |expm1| (OPS)."""
+    """`{prefix}_tokens`, and the mean and max |difference| and mean |expm1| (OPS) over them: every key always,
+    the statistics NaN over no token (rollverify.metrics: a figure with nothing to measure is null)."""
     d = np.concatenate(parts) if parts else np.zeros(0)
     if not d.size:
-        return {f"{prefix}_tokens": 0.0} if parts else {}
+        nan = float("nan")
+        return {f"{prefix}_tokens": 0.0, f"{prefix}_abs_mean": nan, f"{prefix}_abs_max": nan, f"{prefix}_ops_mean": nan}
     return {f"{prefix}_tokens": float(d.size), f"{prefix}_abs_mean": float(np.abs(d).mean()),
             f"{prefix}_abs_max": float(np.abs(d).max()), f"{prefix}_ops_mean": float(np.abs(np.expm1(d)).mean())}

@@ -50,6 +50,7 @@ from rollverify.loop import (
     RolloutConfig,
     StepResult,
     new_logprobs,
+    trained_ops,
 )
 from rollverify.losses import grpo_advantages
 from rollverify.strategies import AlgoConfig, ConditionalSwitch, VerifyOutcome, make_strategy
@@ -123,7 +124,8 @@ class AsyncLoop:
         lengths = [r.num_tokens for g in groups for r in g.responses]
         metrics = {
             **train_metrics, **verified, **published, "switched": False,
-            **({"switch_estimate": self.switch.estimate} if self.switch is not None and self.switch.updates else {}),
+            **({"switch_estimate": self.switch.estimate if self.switch.updates else float("nan")}
+               if self.switch is not None else {}),
             "step": self.step, "mode": self.algo.mode, "schedule": "async", "policy_version": self.version,
             "reward_mean": float(rewards.mean()), "response_length_mean": float(np.mean(lengths)),
             "n_finished_groups": len(groups), "queue_groups_at_start": queued,
@@ -227,12 +229,7 @@ class AsyncLoop:
         self.ledger.trained_tokens += sum(r.num_policy_tokens for r in responses)
         self.ledger.trained_env_tokens += sum(r.num_env_tokens for r in responses)
         out = {TRAIN_PREFIX + k: float(v) for k, v in metrics.items() if isinstance(v, int | float)}
-        ops = [float(metrics[f"{k}_ops_mean"]) * float(metrics.get(f"{k}_tokens", 0.0))
-               for k in ("mismatch", "drift") if metrics.get(f"{k}_ops_mean") is not None]
-        n = sum(float(metrics.get(f"{k}_tokens", 0.0)) for k in ("mismatch", "drift") if f"{k}_ops_mean" in metrics)
-        if n:
-            out["trained_ops_mean"] = sum(ops) / n
-        return out
+        return {**out, **trained_ops(responses, metrics)}
 
     # --- 3. publish -------------------------------------------------------------------------------------------
 
@@ -258,8 +255,6 @@ class AsyncLoop:
         return the log-probs; the verified prefixes resume, so no server decodes on a drifted prefix."""
         tracked = self.engine.response_ids()
         carried = [r for r in self.buffer.pending() if r.num_tokens and r.response_id in tracked]
-        if not carried:
-            return {}
         lps, on_engine = new_logprobs(carried, self.engine, self.trainer, "engine", self.cfg.temperature)
         outcome = self.verifier.apply(carried, lps, self.version)
         cuts = {rid: k for rid, k in outcome.decisions.items() if k < self.buffer.get(rid).num_tokens}
@@ -341,8 +336,8 @@ def take_metrics(outcomes: list[VerifyOutcome]) -> dict[str, Any]:
             s[k] = s.get(k, 0.0) + float(o.stats.get(k, 0.0))
     whole = np.concatenate([o.keep_lengths == o.lengths for o in outcomes])
     ops = [(float(o.lengths.sum()), o.stats["ops_mean"]) for o in outcomes if np.isfinite(o.stats.get("ops_mean", np.nan))]
-    s["acceptance_rate"] = s["kept_tokens"] / s["verified_tokens"] if s["verified_tokens"] else 1.0
-    s["kept_whole_rate"] = float(whole.mean()) if whole.size else 1.0
+    s["acceptance_rate"] = s["kept_tokens"] / s["verified_tokens"] if s["verified_tokens"] else float("nan")
+    s["kept_whole_rate"] = float(whole.mean()) if whole.size else float("nan")
     s["ops_mean"] = sum(n * v for n, v in ops) / sum(n for n, _ in ops) if ops else float("nan")
     return {**{VERIFY_PREFIX + k: v for k, v in s.items()},
             **{k: s[k] for k in ("acceptance_rate", "kept_whole_rate", "verified_tokens", "kept_tokens", "ops_mean")}}

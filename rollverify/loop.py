@@ -358,7 +358,7 @@ class Loop:
         self.ledger.trained += len(responses)
         self.ledger.trained_tokens += sum(r.num_policy_tokens for r in responses)
         self.ledger.trained_env_tokens += sum(r.num_env_tokens for r in responses)
-        ops = _trained_ops(responses, metrics)
+        ops = trained_ops(responses, metrics)
         return {**{TRAIN_PREFIX + k: float(v) for k, v in metrics.items() if isinstance(v, int | float)}, **ops}
 
     # --- 3. verify ------------------------------------------------------------------------------------------
@@ -391,9 +391,14 @@ class Loop:
         ledger, and at a switch the backlog off the engines), send (the cuts and releases to the engine)."""
         carried = self.buffer.carried_over()
         stats: dict[str, Any] = {"n_carried": len(carried)}
-        if not carried:
-            return {**stats, "ops_mean": float("nan"), "acceptance_rate": float("nan"), "kept_whole_rate": float("nan"),
-                    "switched": False}
+        if not carried:  # the strategy's statistics of nothing: the same keys as any step's, counts 0, rates NaN
+            wants_lp = self.strategy.needs_new_logprobs or self.algo.monitor_ops
+            if wants_lp:
+                stats["n_logprobs_on_engine"] = 0
+            if wants_lp and self.algo.verify_on == "engine":
+                stats.update(logprob_wait_s=0.0, n_launched_while_verifying=0)
+            outcome = self.strategy.apply([], [] if wants_lp else None, self.version)
+            return {**stats, **verify_metrics(outcome, TokenCounts(), TokenCounts())}
         outcome, unverified = self._decide(carried, stats)
         cut, shelved_cut, shelved = self._apply(outcome)
         self._send(outcome, shelved, unverified)
@@ -408,6 +413,8 @@ class Loop:
         if self.strategy.needs_new_logprobs or self.algo.monitor_ops:
             engine_side = self.algo.verify_on == "engine"
             t0 = time.perf_counter()
+            if engine_side:
+                stats["n_launched_while_verifying"] = 0
             if engine_side and self.engine.paused and self.strategy.carries_over:
                 unverified, stats["n_launched_while_verifying"] = self._hold_and_fill(carried)
             new_lp, on_engine = new_logprobs(carried, self.engine, self.trainer, self.algo.verify_on,
@@ -537,19 +544,18 @@ def verify_metrics(outcome: VerifyOutcome, cut: TokenCounts, backlog_cut: TokenC
         "kept_tokens": s["kept_tokens"],
         "cut_tokens": float(cut.policy),
         "backlog_cut_tokens": float(backlog_cut.policy),
-        **({"cut_env_tokens": float(cut.env)} if cut.env else {}),
+        "cut_env_tokens": float(cut.env),
         "switched": bool(outcome.switched),
-        **({"switch_reason": outcome.switch_reason} if outcome.switched else {}),
+        "switch_reason": outcome.switch_reason,  # null but at the switch
     }
 
 
-def _trained_ops(responses: Sequence[Response], metrics: dict) -> dict[str, float]:
+def trained_ops(responses: Sequence[Response], metrics: dict) -> dict[str, float]:
     """Mean OPS of the trained tokens against the policy that trained on them (the trainer's recomputed old
     log-probs against the engine's, over its own tokens' mismatch and older tokens' drift alike), the figure
     partial rollout lets grow and verification keeps small."""
     parts = [(float(metrics.get(f"{k}_tokens", 0.0)), metrics.get(f"{k}_ops_mean")) for k in ("mismatch", "drift")]
-    n = sum(t for t, v in parts if v is not None)
-    if not n:
-        return {}
-    value = sum(t * float(v) for t, v in parts if v is not None) / n
-    return {"trained_ops_mean": value} if math.isfinite(value) else {}
+    parts = [(t, float(v)) for t, v in parts if t > 0 and v is not None]
+    n = sum(t for t, _ in parts)
+    value = sum(t * v for t, v in parts) / n if n else math.nan
+    return {"trained_ops_mean": value if math.isfinite(value) else math.nan}  # NaN: nothing (finite) to measure

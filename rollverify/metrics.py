@@ -26,6 +26,13 @@ PLOTS = "plots"
 TENSORBOARD = "tensorboard"
 
 # Every record has these keys (null when the step did not produce the value), then any extra ones.
+#
+# The rule for every figure a step logs (here and under its prefixes: train/, verify/, tools/, sync/, ...): which
+# keys a record holds depends on the run's configuration, never on what the step happened to contain. A figure
+# the step had nothing to measure for (no carried-over token, no token of an older version, no tool call, no
+# cut) is present: a count is 0 and a statistic over nothing (a mean, a rate, a maximum) is NaN in memory and
+# null in metrics.jsonl. So a reader tests a count, never a key: `r["train/mismatch_abs_max"] for r in rows if
+# r["train/mismatch_tokens"]`. (tests/test_loop_logic.py and test_async_loop.py hold both schedules to it.)
 STEP_FIELDS = (
     "step",
     "mode",

@@ -402,9 +402,15 @@ class Switching(Strategy):
 
     def apply(self, responses, new_logprobs=None, policy_version=0):
         if self.switch.switched:
-            return OnPolicy(self.device).apply(responses, new_logprobs, policy_version)
-        outcome = self.inner.apply(responses, new_logprobs, policy_version)
-        if outcome.stats["verified_tokens"] > 0 and self.switch.update(outcome.stats["acceptance_rate"]):
+            # on_policy's outcome under the wrapped strategy's statistics: the stages' figures stay in every
+            # record, NaN (they judged nothing)
+            outcome = OnPolicy(self.device).apply(responses, new_logprobs, policy_version)
+            empty = self.inner.apply([], [] if self.inner.needs_new_logprobs else None, policy_version)
+            outcome.stats = {**{k: float("nan") for k in empty.stats}, **outcome.stats}
+        else:
+            outcome = self.inner.apply(responses, new_logprobs, policy_version)
+        if not self.switch.switched and outcome.stats["verified_tokens"] > 0 \
+                and self.switch.update(outcome.stats["acceptance_rate"]):
             outcome.switched, outcome.switch_reason = True, self.switch.reason
         outcome.stats["switch_estimate"] = self.switch.estimate if self.switch.updates else float("nan")
         outcome.stats["switched"] = float(self.switch.switched)
@@ -474,26 +480,26 @@ def _pack_new_logprobs(new_logprobs: NewLogprobs, batch: VerifyBatch) -> Tensor:
 def _common_stats(
     responses: Sequence[Response], lengths: np.ndarray, keep: np.ndarray, version: int
 ) -> dict[str, float]:
+    """Counts over the verified responses; a rate or staleness over none is NaN (nothing to measure)."""
     verified, kept = int(lengths.sum()), int(keep.sum())
     staleness = np.array([r.staleness(version) for r in responses if r.num_tokens], dtype=np.float64)
     nonempty = lengths > 0
+    nan = float("nan")
     return {
         "responses": float(len(responses)),
         "verified_tokens": float(verified),
         "kept_tokens": float(kept),
-        "acceptance_rate": kept / verified if verified else 1.0,
-        "kept_whole_rate": float(np.mean(keep[nonempty] == lengths[nonempty])) if nonempty.any() else 1.0,
+        "acceptance_rate": kept / verified if verified else nan,
+        "kept_whole_rate": float(np.mean(keep[nonempty] == lengths[nonempty])) if nonempty.any() else nan,
         "restarted": float(np.sum(nonempty & (keep == 0))),
         "truncated": float(np.sum((keep > 0) & (keep < lengths))),
-        "staleness_mean": float(staleness.mean()) if len(staleness) else 0.0,
-        "staleness_max": float(staleness.max()) if len(staleness) else 0.0,
+        "staleness_mean": float(staleness.mean()) if len(staleness) else nan,
+        "staleness_max": float(staleness.max()) if len(staleness) else nan,
     }
 
 
 def _env_stats(env: np.ndarray, env_kept: np.ndarray) -> dict[str, float]:
     """Environment tokens of the verified responses and how many the cuts kept (a cut removes those after it)."""
-    if not env.any():
-        return {}
     return {"env_tokens": float(env.sum()), "env_kept_tokens": float(env_kept.sum())}
 
 

@@ -283,3 +283,17 @@ def test_the_cpu_plan_accepts_the_async_schedule_disaggregated():
     from rollverify.app.plan import check
 
     check(load_config(None, ["algo.schedule=async", "cluster.placement=disaggregated"]))
+
+
+@pytest.mark.parametrize("mode", ["partial", "rollverify"])
+@pytest.mark.parametrize("verify_on", ["trainer", "engine"])
+def test_every_step_record_holds_the_same_keys_whatever_the_step_held(mode, verify_on):
+    """rollverify.metrics' rule: what a step had nothing to measure for (no round returned a group, nothing in
+    flight to verify at the publish, no stale response) is present, a count 0 or a null figure."""
+    algo = AlgoConfig(schedule="async", mode=mode, verify_on=verify_on, conditional_switch=False, max_staleness=2)
+    loop, _, _ = make(algo, sigma=0.3)
+    rows = [loop.run_step().metrics for _ in range(8)]
+    keys = [sorted(r) for r in rows]
+    assert all(k == keys[0] for k in keys), [sorted(set(k) ^ set(keys[0])) for k in keys]
+    # the run had steps with and without what the conditional figures measure
+    assert len({r["n_returned_groups"] > 0 for r in rows}) == 2 or mode == "partial"

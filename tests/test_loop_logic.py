@@ -35,6 +35,7 @@ class ScriptedEngine:
         self.version = 0
         self.updates = []
         self.lost_ids: list[str] = []  # forgotten as a lost server would be, handed out by lost()
+        self.drift = 0.0  # compute_logprobs' drift per version
 
     def _target(self, budget: int) -> int:
         return int(min(budget, 1 + self.rng.pareto(1.2) * 6))
@@ -109,6 +110,11 @@ class ScriptedEngine:
     def lost(self):
         lost, self.lost_ids = self.lost_ids, []
         return lost
+
+    def compute_logprobs(self, responses):
+        """verify_on: engine: the log-probs of its prefill under its weights, `drift` per version of staleness
+        (ScriptedTrainer's)."""
+        return [r.logprobs + self.drift * (self.version - r.versions) for r in responses]
 
     def response_ids(self):
         return set(self.tracked).union(self.lost_ids)
@@ -185,7 +191,7 @@ VERIFY_STATS = {
     "responses", "verified_tokens", "kept_tokens", "acceptance_rate", "kept_whole_rate", "restarted", "truncated",
     "staleness_mean", "staleness_max", "ops_mean", "ops_response_mean", "ops_response_max",
     "ops_nonfinite_responses", "ops_segment_mean", "segments", "cut_by_seq_stage", "cut_by_token_stage",
-    "switch_estimate", "switched",
+    "switch_estimate", "switched", "env_tokens", "env_kept_tokens",
 }
 
 
@@ -211,7 +217,8 @@ def test_strategy_statistics_reach_the_metrics_whole_and_ops_is_computed_once_a_
             assert m["verify/cut_by_seq_stage"] + m["verify/cut_by_token_stage"] >= m["verify/truncated"]
         else:
             assert stats == {"responses", "verified_tokens", "kept_tokens", "acceptance_rate", "kept_whole_rate",
-                             "restarted", "truncated", "staleness_mean", "staleness_max", "ops_mean"}
+                             "restarted", "truncated", "staleness_mean", "staleness_max", "ops_mean", "env_tokens",
+                             "env_kept_tokens"}
 
 
 def test_the_weight_push_statistics_reach_the_metrics_whole_under_sync():
@@ -395,3 +402,26 @@ def test_after_the_switch_no_backlog_is_generated_and_thrown_away():
     pure = sum(m["tokens_generated"] for m in on_policy) / sum(m["trained"] for m in on_policy)
     assert abs(ratio / pure - 1) <= 0.10
     assert [m["n_launched_groups"] for m in after[:6]] == [0] * 6  # the backlog trains before new groups launch
+
+
+@pytest.mark.parametrize("mode", ["on_policy", "partial", "staleness_filter", "ops_filter", "rollverify", "spec_rl"])
+@pytest.mark.parametrize("verify_on", ["trainer", "engine"])
+def test_every_step_record_holds_the_same_keys_whatever_the_step_held(mode, verify_on):
+    """rollverify.metrics' rule: a figure a step had nothing to measure for (nothing carried over, no cut, the
+    stages after the switch) is present, null; its count is 0. At max_live = n one group runs at a time and the
+    phase ends at the B-th finish, so steps 1-2 carry nothing by construction; then the over-provisioned steps
+    carry, cut and (rollverify, window 1) switch."""
+    loop, engine, _ = make_loop(mode, drift=5.0, switch_window=1, verify_on=verify_on)
+    engine.drift = 5.0
+    keys, switched = [], False
+    for step in range(6):
+        loop.cfg.max_live = loop.cfg.n if step < 2 else 24
+        m = loop.run_step().metrics
+        if step < 2:
+            assert m["n_carried"] == 0
+        elif step == 2 and mode != "on_policy":
+            assert m["n_carried"] > 0
+        switched |= bool(m["switched"])
+        keys.append(sorted(m))
+    assert all(k == keys[0] for k in keys), [sorted(set(k) ^ set(keys[0])) for k in keys]
+    assert switched == (mode == "rollverify")

@@ -142,10 +142,14 @@ def test_new_logprobs_checks():
         RollVerify().apply(rs, torch.zeros(7), 3)
 
 
-def test_nothing_to_verify():
-    out = make_strategy("rollverify").apply([], [], 1)
-    assert out.keep_lengths.tolist() == [] and out.stats["acceptance_rate"] == 1.0
-    assert out.stats["verified_tokens"] == 0.0
+def test_nothing_to_verify_gives_every_statistic_counts_zero_and_rates_nan():
+    """rollverify.metrics' rule: a figure with nothing to measure is present, a count 0 and a rate NaN (null)."""
+    for mode in ("partial", "rollverify", "spec_rl"):
+        out = make_strategy(mode).apply([], [], 1)
+        assert out.keep_lengths.tolist() == [] and math.isnan(out.stats["acceptance_rate"])
+        assert out.stats["verified_tokens"] == 0.0 and out.stats["env_tokens"] == 0.0
+        assert math.isnan(out.stats["staleness_max"]) and math.isnan(out.stats["ops_mean"])
+    assert make_strategy("rollverify").apply([], [], 1).stats["segments"] == 0.0
 
 
 # --- conditional switching --------------------------------------------------------------------------------
