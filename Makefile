@@ -9,7 +9,7 @@ REQS := requirements/$(PROFILE).txt requirements/sglang.txt pyproject.toml
 STAMP := $(VENV)/.rollverify-$(PROFILE)-$(shell cat $(REQS) 2>/dev/null | sha256sum | cut -c1-16)
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-slow lint check-gpu-resolve clean-venv
+.PHONY: setup demo test test-fast test-slow chaos lint check-gpu-resolve clean-venv
 
 setup: $(STAMP)
 
@@ -31,12 +31,22 @@ $(STAMP):
 demo: setup
 	$(VENV)/bin/rollverify demo
 
-# every test except those marked slow (over ~90 s each here); `make test-slow` runs those
+# Tiers (markers in pyproject.toml; tests/conftest.py says what each holds):
+# every test except those marked slow (over ~90 s each here); its 30 slowest go to docs/test-durations.txt
 test: setup
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow" --durations-file=docs/test-durations.txt $(PYTEST_ARGS)
 
+# the pure-logic tests (no SGLang, no Megatron-Core, no other real processes): a maintainer's inner loop
+test-fast: setup
+	ROLLVERIFY_TEST_TIER=fast $(PY) -m pytest -q -m "not engine and not megatron and not system and not slow" $(PYTEST_ARGS)
+
+# the slow tests but the chaos run
 test-slow: setup
-	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "slow and not chaos" --durations-file=docs/test-durations-slow.txt $(PYTEST_ARGS)
+
+# the 60-step chaos run (about an hour here): servers, trainer ranks, the driver and the checkpoint disk fail
+chaos: setup
+	$(PY) -m pytest -q -m chaos $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check rollverify sglang_ext megatron_bridge tools tests

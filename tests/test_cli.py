@@ -361,3 +361,13 @@ def test_resume_without_config_reads_the_runs_own_config(tmp_path, capsys):
         main(["train", "--out", str(tmp_path / "new")])
     assert info.value.code == 2
     assert "--config is required (with --resume it defaults to the run's config.json)" in capsys.readouterr().err
+
+
+def test_config_errors_stop_before_anything_starts(tmp_path, capsys):
+    rc = main(["train", "--config", "configs/tiny_cpu.yaml", "--out", str(tmp_path / "x"), "algo.mdoe=partial"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "algo.mdoe" in err
+    assert not (tmp_path / "x").exists()
+    rc = main(["train", "--config", "configs/tiny_cpu.yaml", "--out", str(tmp_path / "y"), "algo.mode=fast"])
+    assert rc == 2 and "algo.mode" in capsys.readouterr().err

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from engine_fixtures import reset_server, run
 
 from rollverify.app.demo import ratio_interval, verdict
@@ -24,6 +25,7 @@ def _loop(engine, mode: str, batch_groups: int, n: int, max_new: int, max_live: 
                 reward=lambda group, response: 0.0)
 
 
+@pytest.mark.engine
 def test_a_batch_decodes_in_about_its_longest_response_not_its_token_count(dense_server):
     run(reset_server(dense_server))
     with SGLangRolloutEngine([dense_server.endpoint], curve=dense_server.curve, poll_wait_s=0.1) as engine:

@@ -41,6 +41,7 @@ def test_plan_figures_from_the_planner_or_its_file(tmp_path, monkeypatch):
         gpu_checks.load_plan_figures(str(path))
 
 
+@pytest.mark.system  # two consumer processes
 def test_ipc_payload_rebuilt_by_two_consumers_over_shared_memory():
     passed, figure, _, _ = gpu_checks.check_cuda_ipc("cpu", 1 << 20)
     assert passed, figure

@@ -9,6 +9,8 @@ import pytest
 
 from sglang_ext.launch import ServerProcess
 
+pytestmark = pytest.mark.system  # plain child processes stand in for servers
+
 
 @pytest.mark.parametrize("log_in_workdir", [False, True])
 def test_stop_removes_the_start_folder_but_not_a_log_written_into_it(tmp_path, log_in_workdir):

@@ -23,7 +23,10 @@ import tomllib
 import zipfile
 from pathlib import Path
 
+import pytest
 from packaging.requirements import Requirement
+
+pytestmark = pytest.mark.system
 
 ROOT = Path(__file__).resolve().parent.parent
 PIN = re.compile(r"^([A-Za-z0-9_.\-]+)==([^\s;#]+)")

@@ -4,7 +4,9 @@ One module-scoped cluster (`ray.cluster_utils.Cluster`: a driver-only head and t
 custom resource naming it), stopped by the module. The run: the tiny MoE, a trainer of world size 2 (gloo) and
 two SGLang servers, one rank and one server on each node, 3 steps of `rollverify` with the exact ledger; server 1's
 actor is killed while it holds responses, and is restarted with the current policy and its responses resubmitted.
-The fault tests need no server: they stop in the placement, before anything starts.
+The refusal tests need no server: they stop in the placement, before anything starts; their messages come
+from the node table (tests/test_ray_placement.py checks them without Ray), so here they are `slow` with the rest:
+what they add is RayCluster.start's wait, its per-node path check and that nothing stays reserved.
 """
 
 from __future__ import annotations
@@ -160,6 +162,7 @@ def _plan(*overrides: str):
     return check(load_config(None, [*SMALL, *overrides]))
 
 
+@pytest.mark.slow
 def test_a_node_that_does_not_join_in_time_is_named(ray_cluster):
     from rollverify.app.cluster import ClusterError, RayCluster
 
@@ -168,6 +171,7 @@ def test_a_node_that_does_not_join_in_time_is_named(ray_cluster):
     assert "tools/ray_cluster.sh worker" in str(e.value)
 
 
+@pytest.mark.slow
 def test_fewer_gpus_or_cpus_than_the_plan_needs_are_refused_naming_the_node(ray_cluster):
     from rollverify.app.cluster import ClusterError, RayCluster
 
@@ -180,6 +184,7 @@ def test_fewer_gpus_or_cpus_than_the_plan_needs_are_refused_naming_the_node(ray_
     assert all(pg["state"] == "REMOVED" for pg in placement_group_table().values())  # nothing reserved
 
 
+@pytest.mark.slow
 def test_a_model_path_missing_on_the_nodes_is_named_per_node(ray_cluster, tmp_path):
     from rollverify.app.cluster import ClusterError, RayCluster
 

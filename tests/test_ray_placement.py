@@ -58,3 +58,23 @@ def test_the_resource_check_names_the_node_that_falls_short():
         check_resources(needs, _nodes((8, 64), (8, 64), (8, 64), (4, 64)))
     with pytest.raises(ClusterError, match=r"needs 8 GPU\(s\) and 12 CPU\(s\)"):
         check_resources(needs, _nodes((8, 64), (8, 64), (8, 64), (8, 8)))  # too few CPUs for 12 actors
+
+
+# the tiny CPU run over two simulated nodes (tests/test_ray_cluster.py's layout): one rank and one server a node
+TINY_TWO_NODES = ["cluster.launcher=ray", "cluster.nodes=2", "trainer.dp=2", "rollout.n_servers=2",
+                  "rollout.batch_groups=2", "rollout.n=2", "rollout.max_live=8"]
+SIMULATED = ((0, 0), (0, 3), (0, 3))  # what the two-node test cluster shows Ray: a driver-only head, 3 CPUs a node
+
+
+def test_the_tiny_layout_is_refused_on_a_node_table_that_cannot_host_it():
+    """RayCluster.start runs this check on Ray's node table before it reserves anything: a node short of GPUs
+    or CPUs, or too few nodes, is named with what it has and what to do."""
+    needs = lambda *o: node_needs(_plan("tiny_cpu", *TINY_TWO_NODES, *o))  # noqa: E731
+    check_resources(needs(), _nodes(*SIMULATED))
+    with pytest.raises(ClusterError, match=r"cluster.nodes = 3 but 2 Ray node\(s\)") as e:
+        check_resources(needs("cluster.nodes=3", "trainer.dp=3", "rollout.n_servers=3"), _nodes(*SIMULATED))
+    assert "tools/ray_cluster.sh worker" in str(e.value)
+    with pytest.raises(ClusterError, match=r"plan node \d needs 1 GPU\(s\) and 2 CPU\(s\).*has 0 GPU\(s\)"):
+        check_resources(needs("cluster.gpus_per_node=1"), _nodes(*SIMULATED))
+    with pytest.raises(ClusterError, match=r"plan node \d needs 4 CPU\(s\) \(1 trainer rank\(s\), 3 server\(s\)\)"):
+        check_resources(needs("rollout.n_servers=6", "rollout.max_live=12"), _nodes(*SIMULATED))

@@ -159,6 +159,7 @@ HOOK_CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.system
 def test_the_fault_hook_kills_the_rank_once_at_the_named_call(tmp_path):
     spec = tmp_path / "faults.json"
     spec.write_text(json.dumps([{"rank": 1, "method": "train_step", "call": 2}]))
@@ -188,6 +189,7 @@ WATCH_PARENT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.system
 def test_a_rank_process_exits_when_its_driver_is_killed(tmp_path):
     import psutil
 
@@ -276,6 +278,7 @@ SERVER_GUARD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.system
 def test_a_server_still_starting_exits_when_its_launcher_dies(tmp_path):
     """`rollverify serve --exit-with-parent --parent-pid P` watches P from its first moments (a thread, while
     SGLang starts and blocks the event loop): the launcher's death ends it and every process under it (SGLang's

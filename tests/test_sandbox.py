@@ -22,6 +22,8 @@ from rollverify.environment.limits import MIB, SandboxLimits, SandboxUnavailable
 from rollverify.environment.procscan import alive, pids_of_user, sandbox_processes
 from rollverify.environment.sandbox import Sandbox, SandboxResult, namespaces_available
 
+pytestmark = pytest.mark.system
+
 IS_ROOT = os.geteuid() == 0
 try:
     NOBODY_UID: int | None = pwd.getpwnam("nobody").pw_uid

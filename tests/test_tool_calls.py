@@ -297,6 +297,7 @@ def limits():
     Path(base).rmdir()
 
 
+@pytest.mark.system
 def test_a_policy_turn_runs_in_the_python_tool_and_its_output_follows_the_turn(limits):
     reg = default_registry(limits)
     turn = (
@@ -317,6 +318,7 @@ def test_a_policy_turn_runs_in_the_python_tool_and_its_output_follows_the_turn(l
     assert turn_result.text.startswith("<|im_end|>\n<|im_start|>user\n<tool_response>\n45\n</tool_response>")
 
 
+@pytest.mark.system
 def test_python_tool_refuses_bad_arguments_without_running(limits):
     tool = PythonTool(limits)
     assert tool.run({"code": 3}, 1).error == "bad_arguments"
@@ -336,6 +338,7 @@ def check(candidate):
 """
 
 
+@pytest.mark.system
 def test_humaneval_reward_all_pass_and_partial(limits):
     sandbox = Sandbox(limits)
     tests = CodeTests.humaneval(HUMANEVAL_TEST, "add")
@@ -354,6 +357,7 @@ def test_humaneval_reward_all_pass_and_partial(limits):
     assert slept.reward == 0.75 and "CaseTimeout" in slept.case_errors[3], slept  # the wall timer, 1 s
 
 
+@pytest.mark.system
 def test_mbpp_partial_credit_and_early_exit_gets_nothing(limits):
     sandbox = Sandbox(limits)
     tests = CodeTests.mbpp(["assert sq(2) == 4", "assert sq(3) == 9", "assert sq(0) == 1"])

@@ -273,6 +273,7 @@ class HostileCodec(WordCodec):
         return "".join(out)
 
 
+@pytest.mark.system
 def test_hostile_tool_calls_in_a_run_are_error_text_and_the_run_goes_on():
     from rollverify.environment.limits import SandboxLimits
     from rollverify.environment.tools import default_registry

@@ -173,6 +173,7 @@ def test_memory_handoff_bookkeeping():
                                   "resume kv_cache,cuda_graph"]
 
 
+@pytest.mark.megatron  # the 30B-A3B layout on meta tensors
 def test_a_paper_push_takes_one_data_collective_one_host_sync_and_one_round_trip_per_bucket():
     """tools/push_ops.py counts the real push (Qwen3-30B-A3B's layout: TP 4, EP 16, servers of TP 4) on meta
     tensors: per bucket one all-gather of shards (none for buckets of replicated tensors), one gather of the

@@ -269,6 +269,7 @@ def _large_batch(seed: int):
     return old, new, versions, lengths
 
 
+@pytest.mark.system  # torch.compile: a C++ build of the kernel (~20 s here)
 @pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None, reason="torch.compile needs a C++ compiler")
 def test_compiled_row_sums_give_the_eager_results(monkeypatch):
     """Above FUSED_MIN_TOKENS a CPU batch's rows are summed by a compiled kernel: the cuts, the segments and
