@@ -191,9 +191,8 @@ def test_calls_run_concurrently_while_the_caller_goes_on():
         elapsed = time.monotonic() - start
     assert [r.text for r in results] == [f"slept {{'i': {i}}}" for i in range(n)]
     assert all(r.ok and r.error is None for r in results)
+    # every call waited until all n ran at once: concurrency by construction, whatever the machine's load
     assert tool.peak == n, f"only {tool.peak} of {n} calls ran at once"
-    # One after another they would take n * 0.3 s; thread start-up on a loaded machine costs up to ~1 s more.
-    assert elapsed < n * 0.3, f"{n} calls of 0.3 s took {elapsed:.2f} s"
     print(f"\n{n} calls of 0.3 s on a pool of {n}: {elapsed:.2f} s")
 
 
