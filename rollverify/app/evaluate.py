@@ -125,6 +125,11 @@ class Evaluator:
         metrics["eval_reward_se"] = float(np.sqrt(np.sum(np.square(ses))) / len(ses))  # the sets are independent
         return metrics
 
+    def not_run(self) -> dict[str, float]:
+        """The keys `run` writes, each NaN: a step that does not evaluate logs them null (rollverify.metrics)."""
+        keys = [f"eval/{s.name}/{m}@{self.k}" for s in self.sets for m in ("avg", "pass")]
+        return {k: float("nan") for k in (*keys, "eval_reward", "eval_reward_se")}
+
 
 def build_evaluator(cfg: Any, task: Any, tokenizer: Any, score: Callable[[str, str, str], float],
                     tools: Any = None) -> Evaluator:

@@ -107,8 +107,8 @@ class Supervisor:
         metrics["trained_groups"] = [g.group_id for g in result.trained_groups]
         metrics.update({LEDGER_PREFIX + k: v for k, v in asdict(run.loop.ledger).items()})
         step, last = run.loop.step, run.loop.step == cfg.trainer.steps
-        if cfg.eval.every and (step % cfg.eval.every == 0 or last):
-            metrics.update(run.evaluate())
+        due = cfg.eval.every and (step % cfg.eval.every == 0 or last)
+        metrics.update(run.evaluate() if due else run.not_evaluated())
         self.writer.write(metrics)
         if cfg.log.checkpoint_every and step % cfg.log.checkpoint_every == 0:
             self._checkpoint()

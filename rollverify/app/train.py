@@ -173,6 +173,10 @@ class Run:
         assert self.evaluator is not None, "eval.every is 0"
         return self.evaluator.run(self.engine, tag=f"eval{self.loop.step}")
 
+    def not_evaluated(self) -> dict[str, float]:
+        """The evaluation's keys, null, for a step that does not evaluate (none when eval.every is 0)."""
+        return self.evaluator.not_run() if self.evaluator is not None else {}
+
     def export(self) -> Path:
         """The current policy as a Hugging Face folder DIR/hf/step_N (colocated: while the servers have released
         their KV pool, rollverify.app.handoff)."""
