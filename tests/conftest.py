@@ -71,6 +71,15 @@ def pytest_configure(config):
     config.stash[STARTED] = (time.time(), os.getloadavg()[0])
 
 
+# --- order ----------------------------------------------------------------------------------------------------
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `session_end` stop the session's shared servers: they run after every other test, so that
+    no later module pays for starting them again."""
+    items.sort(key=lambda item: item.get_closest_marker("session_end") is not None)  # stable: order kept otherwise
+
+
 # --- durations kept --------------------------------------------------------------------------------------------
 
 

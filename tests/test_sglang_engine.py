@@ -153,8 +153,9 @@ def test_engine_start_failure_names_folder_and_leaves_no_process(tmp_path, tiny_
     assert _tagged_processes(tag) == [], "child processes outlived the failed start"
 
 
+@pytest.mark.session_end
 def test_shutdown_leaves_no_child_process(dense_server, moe_server):
-    """Last in this module: the session servers shut down on command and take every child with them."""
+    """Last in the session: the session servers shut down on command and take every child with them."""
     for served in (dense_server, moe_server):
         proc = served.proc
         kids = proc.descendants()
