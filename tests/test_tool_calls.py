@@ -341,7 +341,7 @@ def check(candidate):
 def test_humaneval_reward_all_pass_and_partial(limits):
     sandbox = Sandbox(limits)
     tests = CodeTests.humaneval(HUMANEVAL_TEST, "add")
-    assert len(tests.cases) == 4
+    assert tests.n_cases == 4 and tests.judge is not None  # a loop: the judge runs the test code
     good = code_reward("def add(a, b):\n    return a + b\n", tests, sandbox)
     assert good.reward == 1.0 and good.passed == 4, good
     wrong_negative = (

@@ -1,189 +1,41 @@
-"""Reward for code generation: run a candidate program and its tests in the sandbox.
+"""Reward for code generation: the candidate runs in one sandbox, its tests are decided outside it.
 
-Tests come in the two published shapes: HumanEval (`test` defines `check(candidate)`, called on the
-`entry_point` function) and MBPP (a list of assert statements, with optional setup code). Each test case runs in
-its own try, so one failure or one exception hides no other: for MBPP a case is one assert string, for HumanEval
-each top-level statement of `check`'s body that holds an assert. The reward is 1.0 when every case passes, else
-0.0; with `partial=True` it is the fraction that passed. A per-case limit (interval timers inside the program:
-`per_case_s` of CPU, five times that of wall time, so a loaded machine does not fail a correct case) stops one
-looping or sleeping case without losing the others; the sandbox's limits bound the whole run.
+`code_reward` starts the candidate's sandbox (the box: `_code_box.py`) with the program alone, then asks it, one
+test case at a time, for what the program produces: the return value of a call with the case's arguments, or
+what it prints on the case's input. Answers come back as plain values through the box's message channel; the
+caller validates each (its id, its shape, its size) and a box that answers out of turn or breaks the channel gets
+no further case. The expected values and the test code never enter the box. Checks (`code_tests.Check`) and stdio
+cases are compared here; test code (`code_tests.JudgeSpec`) runs in a second sandbox, the judge, with no candidate
+code in it, and the judge's verdicts are the cases'. See `code_tests` for why no candidate can forge a pass.
 
-The harness writes its counts to a result file with a per-call nonce, so a candidate that exits early
-(`sys.exit(0)`, `os._exit(0)`) or prints a forged result gets no credit. It is not proof against a candidate that
-inspects the harness's own frames or patches its builtins: the program and its tests share one interpreter.
+The reward is 1.0 when every case passes, else 0.0; with `partial=True` the fraction that passed. Each case runs in
+a process of its own in the box, under `per_case_s` of CPU and five times that of wall time, so a loaded machine
+does not fail a correct case and one looping, sleeping or exiting case loses no other; the sandbox's limits bound
+the whole run.
 """
 
 from __future__ import annotations
 
-import ast
-import json
-import secrets
-from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from rollverify.environment.sandbox import Sandbox, SandboxResult
+from rollverify.environment.code_tests import Check, CodeTests, JudgeSpec
+from rollverify.environment.sandbox import Sandbox, SandboxResult, SandboxStartError
+from rollverify.environment.session import ChannelError, SandboxSession
+from rollverify.environment.wire import WireError, decode, encode
 
-RESULT_FILE = "rv_result.json"
-CASE_HOOK = "__rv_case__"
-
-HARNESS = r"""
-import json, os, signal, sys
-
+_HERE = Path(__file__).parent
+WIRE = {"wire.py": (_HERE / "wire.py").read_text()}
+BOX_SOURCE = (_HERE / "_code_box.py").read_text()
+JUDGE_SOURCE = (_HERE / "_code_judge.py").read_text()
 WALL_FACTOR = 5
+# Beyond a case's own wall budget, how long the caller waits for an answer before it gives the box up.
+REPLY_GRACE_S = 3.0
+MAX_MESSAGE = 16 << 20
+MAX_OUTPUT = 8 << 20
 
-def __rv_main__():
-    with open("rv_spec.json") as f:
-        spec = json.load(f)
-    os.remove("rv_spec.json")
-    nonce, cases, per_case = spec["nonce"], spec["cases"], spec["per_case_s"]
-    outcome = {"passed": [False] * len(cases), "errors": [None] * len(cases), "setup_error": None}
-
-    class CaseTimeout(Exception):
-        pass
-
-    def on_timer(signum, frame):
-        raise CaseTimeout(f"test case ran past {per_case} s of CPU ({WALL_FACTOR * per_case} s wall)")
-
-    signal.signal(signal.SIGPROF, on_timer)
-    signal.signal(signal.SIGALRM, on_timer)
-
-    def arm(seconds):
-        signal.setitimer(signal.ITIMER_PROF, seconds)
-        signal.setitimer(signal.ITIMER_REAL, WALL_FACTOR * seconds)
-
-    def run_case(i, fn):
-        arm(per_case)
-        try:
-            fn()
-        except BaseException as exc:
-            outcome["errors"][i] = f"{type(exc).__name__}: {exc}"[:300]
-        else:
-            outcome["passed"][i] = True
-        finally:
-            arm(0)
-
-    ns = {"__name__": "__main__", "__rv_case__": run_case}
-    try:
-        arm(per_case)
-        exec(compile(spec["program"], "solution.py", "exec"), ns)
-        exec(compile(spec["setup"], "tests_setup.py", "exec"), ns)
-        arm(0)
-        for i, src in enumerate(cases):
-            if src is not None:
-                run_case(i, lambda src=src: exec(compile(src, f"test_{i}.py", "exec"), ns))
-        if spec["call"] is not None:
-            exec(compile(spec["call"], "tests_call.py", "exec"), ns)
-    except BaseException as exc:
-        outcome["setup_error"] = f"{type(exc).__name__}: {exc}"[:300]
-    finally:
-        arm(0)
-    with open("rv_result.json", "w") as f:
-        json.dump({"nonce": nonce, **outcome}, f)
-
-__rv_main__()
-os._exit(0)
-"""
-
-
-STDIO_SETUP = r"""
-import io as __rv_io, sys as __rv_sys
-
-def __rv_stdio__(inp, expected):
-    out = __rv_io.StringIO()
-    saved = __rv_sys.stdin, __rv_sys.stdout
-    __rv_sys.stdin, __rv_sys.stdout = __rv_io.StringIO(inp), out
-    try:
-        exec(compile(__rv_src__, "solution.py", "exec"), {"__name__": "__main__"})
-    except SystemExit:
-        pass
-    finally:
-        __rv_sys.stdin, __rv_sys.stdout = saved
-    got = [line.strip() for line in out.getvalue().strip().splitlines()]
-    want = [line.strip() for line in expected.strip().splitlines()]
-    assert got == want, f"expected {want[:3]}, printed {got[:3]}"
-"""
-
-
-@dataclass(frozen=True)
-class CodeTests:
-    """One problem's tests: `cases` are run one by one (each None case is filled in by `call`, HumanEval's
-    `check(entry_point)`, through the case hook); `setup` runs after the program and before the cases.
-    `stdin_program`: the program is a script reading standard input (LiveCodeBench's stdin tests): it is not run
-    on its own, each case runs it afresh on its input and compares what it prints."""
-
-    cases: tuple[str | None, ...]
-    setup: str = ""
-    call: str | None = None
-    stdin_program: bool = False
-
-    @classmethod
-    def stdio(cls, cases: Sequence[tuple[str, str]]) -> CodeTests:
-        """Input/expected-output pairs: the program's printed lines (stripped) must equal the expected ones."""
-        if not cases:
-            raise ValueError("stdin tests need at least one (input, output) pair")
-        return cls(cases=tuple(f"__rv_stdio__({i!r}, {o!r})" for i, o in cases), setup=STDIO_SETUP,
-                   stdin_program=True)
-
-    @classmethod
-    def functional(cls, func_name: str, cases: Sequence[tuple[str, str]]) -> CodeTests:
-        """LiveCodeBench's functional tests: each input line a JSON argument of `Solution().func_name`, the
-        output the JSON of its result."""
-        if not func_name.isidentifier() or not cases:
-            raise ValueError(f"functional tests need a method name and cases; got {func_name!r}, {len(cases)}")
-        calls = tuple(
-            f"assert Solution().{func_name}(*[__rv_json.loads(a) for a in {i!r}.strip().split(chr(10))]) "
-            f"== __rv_json.loads({o!r})" for i, o in cases
-        )
-        return cls(cases=calls, setup="import json as __rv_json")
-
-    @classmethod
-    def mbpp(cls, test_list: Sequence[str], test_setup_code: str = "") -> CodeTests:
-        if not test_list or not all(isinstance(t, str) and t.strip() for t in test_list):
-            raise ValueError(f"MBPP tests need a non-empty list of assert strings; got {test_list!r}")
-        return cls(cases=tuple(test_list), setup=test_setup_code or "")
-
-    @classmethod
-    def humaneval(cls, test: str, entry_point: str) -> CodeTests:
-        """`test` defines `check(candidate)`; each top-level statement of its body that holds an assert is a case."""
-        if not entry_point.isidentifier():
-            raise ValueError(f"HumanEval entry_point must be a function name; got {entry_point!r}")
-        try:
-            tree = ast.parse(test)
-        except SyntaxError as exc:
-            raise ValueError(f"HumanEval test code does not parse: {exc}") from None
-        check = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "check"), None)
-        if check is None:
-            raise ValueError("HumanEval test code defines no check(candidate) function")
-        n_cases = 0
-        body: list[ast.stmt] = []
-        for stmt in check.body:
-            if any(isinstance(n, ast.Assert) for n in ast.walk(stmt)):
-                body.extend(_as_case(stmt, n_cases))
-                n_cases += 1
-            else:
-                body.append(stmt)
-        if n_cases == 0:
-            raise ValueError("HumanEval check() holds no assert: there is nothing to reward")
-        check.body = body
-        setup = ast.unparse(ast.fix_missing_locations(tree))
-        return cls(cases=(None,) * n_cases, setup=setup, call=f"check({entry_point})")
-
-
-def _as_case(stmt: ast.stmt, index: int) -> list[ast.stmt]:
-    """`stmt` as a local function and `__rv_case__(index, that function)`: a closure, so check's locals are seen."""
-    fn = ast.FunctionDef(
-        name=f"__rv_case_{index}__",
-        args=ast.arguments(posonlyargs=[], args=[], kwonlyargs=[], kw_defaults=[], defaults=[]),
-        body=[stmt],
-        decorator_list=[],
-        returns=None,
-        **({"type_params": []} if "type_params" in ast.FunctionDef._fields else {}),
-    )
-    call = ast.Expr(
-        ast.Call(ast.Name(CASE_HOOK, ast.Load()), [ast.Constant(index), ast.Name(fn.name, ast.Load())], [])
-    )
-    return [ast.copy_location(fn, stmt), ast.copy_location(call, stmt)]
+__all__ = ["Check", "CodeReward", "CodeTests", "JudgeSpec", "code_reward"]
 
 
 @dataclass(frozen=True)
@@ -194,42 +46,232 @@ class CodeReward:
     reason: str
     case_errors: tuple[str | None, ...] = ()
     sandbox: SandboxResult | None = field(default=None, repr=False)
+    judge: SandboxResult | None = field(default=None, repr=False)
+
+
+class _Box:
+    """The candidate's sandbox as the trusted side sees it: asked one thing at a time, every answer checked."""
+
+    def __init__(self, session: SandboxSession, per_case_s: float) -> None:
+        self.session = session
+        self.timeout = WALL_FACTOR * per_case_s + REPLY_GRACE_S
+        self.next_id = 0
+        self.broken: str | None = None
+
+    def ready(self, timeout_s: float) -> str | None:
+        """None when the program loaded, else why not (its error, or how the box failed to answer)."""
+        reply = self._receive(timeout_s)
+        if reply is None:
+            return self.broken
+        if set(reply) != {"ready", "error"} or reply["ready"] is not True:
+            return self._break("the box answered out of turn")
+        return None if reply["error"] is None else f"the program did not load: {str(reply['error'])[:500]}"
+
+    def case(self, index: int) -> None:
+        if self.broken is None and not self.session.send({"case": index}, self.timeout):
+            self._break("the box stopped reading")
+
+    def ask(self, request: dict[str, Any]) -> dict[str, Any] | None:
+        """The box's answer to one request, validated for its id; None (and `broken`) when it has none."""
+        if self.broken is not None:
+            return None
+        rid = self.next_id
+        self.next_id += 1
+        if not self.session.send({"id": rid, **request}, self.timeout):
+            self._break("the box stopped reading")
+            return None
+        reply = self._receive(self.timeout)
+        if reply is not None and reply.get("id") != rid:
+            self._break("the box answered out of turn")
+            return None
+        return reply
+
+    def call(self, name: str, method: str | None, args: Any, kwargs: Any) -> tuple[Any, str | None, str | None]:
+        """(value, None, None) or (None, error, error type) of one call of the candidate."""
+        reply = self.ask({"call": name, "method": method, "args": args, "kwargs": kwargs})
+        if reply is None:
+            return None, f"no answer: {self.broken}", "BoxError"
+        try:
+            if set(reply) == {"id", "value"}:
+                return decode(reply["value"]), None, None
+            if set(reply) == {"id", "error", "type"} and isinstance(reply["error"], str):
+                return None, reply["error"][:500], str(reply["type"])[:100]
+        except WireError as exc:
+            self._break(f"the box sent a value that is not plain data: {exc}")
+            return None, f"no answer: {self.broken}", "BoxError"
+        self._break("the box sent a malformed answer")
+        return None, f"no answer: {self.broken}", "BoxError"
+
+    def run_stdin(self, text: str) -> tuple[str | None, str | None]:
+        """(stdout, None) of the program run on `text`, or (None, why not)."""
+        reply = self.ask({"stdin": text})
+        if reply is None:
+            return None, f"no answer: {self.broken}"
+        if set(reply) == {"id", "stdout", "exit", "truncated"} and isinstance(reply["stdout"], str):
+            if reply["truncated"] is True:
+                return None, f"the program printed more than {MAX_OUTPUT} bytes"
+            return reply["stdout"], None
+        if set(reply) == {"id", "error", "type"} and isinstance(reply["error"], str):
+            return None, reply["error"][:500]
+        self._break("the box sent a malformed answer")
+        return None, f"no answer: {self.broken}"
+
+    def _receive(self, timeout_s: float) -> dict[str, Any] | None:
+        try:
+            reply = self.session.recv(timeout_s)
+        except ChannelError as exc:
+            self._break(f"the box broke its channel: {exc}")
+            return None
+        if reply is None:
+            self._break("the box ended or stopped answering")
+        return reply
+
+    def _break(self, why: str) -> str:
+        if self.broken is None:
+            self.broken = why
+            self.session.kill()
+        return why
 
 
 def code_reward(
     program: str, tests: CodeTests, sandbox: Sandbox, *, partial: bool = False, per_case_s: float = 2.0
 ) -> CodeReward:
-    """Run `program` and `tests` in `sandbox`; 1/0 all-pass, or the fraction passed when `partial`."""
+    """Run `program` in `sandbox` and decide `tests` outside it; 1/0 all-pass, or the fraction passed."""
     if per_case_s <= 0:
         raise ValueError(f"per_case_s must be positive; got {per_case_s!r}")
-    total = len(tests.cases)
-    nonce = secrets.token_hex(16)
-    spec: dict[str, Any] = {
-        "nonce": nonce,
-        "program": f"__rv_src__ = {program!r}" if tests.stdin_program else program,
-        "setup": tests.setup,
-        "cases": list(tests.cases),
-        "call": tests.call,
-        "per_case_s": per_case_s,
-    }
-    run = sandbox.run(HARNESS, files={"rv_spec.json": json.dumps(spec)}, collect=(RESULT_FILE,))
-    raw = run.files.get(RESULT_FILE)
+    total = tests.n_cases
     try:
-        outcome = json.loads(raw) if raw else None
-    except ValueError:
-        outcome = None
-    if not isinstance(outcome, dict) or outcome.get("nonce") != nonce:
-        why = run.reason() if not run.ok else "the program ended before the tests reported (early exit?)"
-        return CodeReward(0.0, 0, total, f"no test result: {why}", sandbox=run)
-    flags = outcome.get("passed", [])
-    passed = sum(1 for p in flags if p is True) if len(flags) == total else 0
-    errors = tuple(outcome.get("errors", [None] * total))
-    setup_error = outcome.get("setup_error")
-    reason = f"{passed}/{total} test cases passed" + (f"; {setup_error}" if setup_error else "")
-    if not run.ok:
-        reason += f"; {run.reason()}"
+        session = sandbox.start(BOX_SOURCE, files=WIRE, max_message_bytes=MAX_MESSAGE)
+    except SandboxStartError as exc:
+        return CodeReward(0.0, 0, total, f"no test result: {exc}")
+    judge_session: SandboxSession | None = None
+    box = _Box(session, per_case_s)
+    passed = [False] * total
+    errors: list[str | None] = [None] * total
+    setup_error: str | None = None
+    try:
+        if tests.judge is not None:
+            try:
+                judge_session = sandbox.start(JUDGE_SOURCE, files=WIRE, max_message_bytes=MAX_MESSAGE)
+            except SandboxStartError as exc:
+                return _finish(box, None, 0.0, 0, total, f"no test result: the judge did not start: {exc}", ())
+        mode = "stdio" if tests.stdio else "call"
+        box.session.send({"mode": mode, "program": program, "per_case_s": per_case_s, "wall_factor": WALL_FACTOR,
+                          "max_frame": MAX_MESSAGE, "max_output": MAX_OUTPUT})
+        load_error = box.ready(WALL_FACTOR * per_case_s + REPLY_GRACE_S + sandbox.limits.wall_seconds / 4)
+        if load_error is not None and box.broken is not None:
+            return _finish(box, judge_session, 0.0, 0, total, f"no test result: {load_error}", ())
+        if tests.judge is not None and judge_session is not None:
+            setup_error = _run_judged(box, judge_session, tests.judge, per_case_s, passed, errors)
+        elif tests.stdio:
+            _run_stdio(box, tests.stdio, passed, errors)
+        else:
+            _run_checks(box, tests.checks, passed, errors)
+        setup_error = setup_error or load_error
+    except BaseException:
+        for s in (session, judge_session):
+            if s is not None:
+                s.finish(kill=True)
+        raise
+    n = sum(passed)
+    reason = f"{n}/{total} test cases passed" + (f"; {setup_error}" if setup_error else "")
+    if box.broken is not None:
+        reason += f"; {box.broken}"
     if partial:
-        reward = passed / total
+        reward = n / total
     else:
-        reward = 1.0 if passed == total and setup_error is None else 0.0
-    return CodeReward(reward, passed, total, reason, case_errors=errors, sandbox=run)
+        reward = 1.0 if n == total and setup_error is None else 0.0
+    return _finish(box, judge_session, reward, n, total, reason, tuple(errors))
+
+
+def _finish(
+    box: _Box, judge: SandboxSession | None, reward: float, n: int, total: int, reason: str,
+    errors: tuple[str | None, ...],
+) -> CodeReward:
+    result = box.session.finish()
+    judged = judge.finish() if judge is not None else None
+    if box.broken is None and not result.ok and result.error is None:
+        reason += f"; {result.reason()}"
+    return CodeReward(reward, n, total, reason, errors or (None,) * total, sandbox=result, judge=judged)
+
+
+def _run_checks(box: _Box, checks: tuple[Check, ...], passed: list[bool], errors: list[str | None]) -> None:
+    for i, check in enumerate(checks):
+        if check.call is None:
+            passed[i] = check.holds(None)
+            errors[i] = None if passed[i] else "AssertionError: the test asserts a false constant"
+            continue
+        box.case(i)
+        value, error, _ = box.call(check.call, check.method, encode(list(check.args)), encode(check.kwargs))
+        if error is not None:
+            errors[i] = error
+        elif check.holds(value):
+            passed[i] = True
+        else:
+            errors[i] = f"AssertionError: {check.call}(...) returned {_short(value)}; the test wants {check.op} " \
+                        f"{_short(check.expected)}" if check.op not in ("truthy", "falsy") else \
+                        f"AssertionError: {check.call}(...) returned {_short(value)}, not {check.op}"
+
+
+def _run_stdio(box: _Box, cases: tuple[tuple[str, str], ...], passed: list[bool], errors: list[str | None]) -> None:
+    for i, (stdin, expected) in enumerate(cases):
+        box.case(i)
+        out, error = box.run_stdin(stdin)
+        if out is None:
+            errors[i] = error
+            continue
+        got = [line.strip() for line in out.strip().splitlines()]
+        want = [line.strip() for line in expected.strip().splitlines()]
+        passed[i] = got == want
+        if not passed[i]:
+            errors[i] = f"AssertionError: printed {_short(got[:3])}, expected {_short(want[:3])}"
+
+
+def _run_judged(
+    box: _Box, judge: SandboxSession, spec: JudgeSpec, per_case_s: float, passed: list[bool],
+    errors: list[str | None],
+) -> str | None:
+    """Relay the judge's calls of the candidate to the box until the judge is done; its setup error, if any."""
+    judge.send({"prompt": spec.prompt, "setup": spec.setup, "cases": list(spec.cases), "call": spec.call,
+                "remote": list(spec.remote), "per_case_s": per_case_s, "max_frame": MAX_MESSAGE})
+    timeout = WALL_FACTOR * per_case_s + REPLY_GRACE_S
+    seen: set[int] = set()
+    total = len(passed)
+    while True:
+        try:
+            msg = judge.recv(timeout)
+        except ChannelError as exc:
+            return f"the judge broke its channel: {exc}"
+        if msg is None:
+            return "the judge ended before it was done"
+        if "case" in msg and isinstance(msg["case"], int):
+            box.case(msg["case"])
+        elif "call" in msg and "id" in msg:
+            value, error, kind = box.call(str(msg["call"]), None, msg.get("args", []), msg.get("kwargs", {}))
+            reply: dict[str, Any]
+            try:
+                reply = {"id": msg["id"], "value": encode(value)} if error is None else \
+                    {"id": msg["id"], "error": error, "type": kind}
+            except WireError as exc:
+                reply = {"id": msg["id"], "error": str(exc), "type": "TypeError"}
+            if not judge.send(reply, timeout):
+                return "the judge stopped reading"
+        elif "verdict" in msg and isinstance(msg["verdict"], int) and 0 <= msg["verdict"] < total:
+            i = msg["verdict"]
+            if i not in seen:
+                seen.add(i)
+                passed[i] = msg.get("passed") is True
+                errors[i] = None if passed[i] else str(msg.get("error"))[:500]
+        elif msg.get("done") is True:
+            for i in range(total):
+                if i not in seen:
+                    errors[i] = "the test code never reached this case"
+            err = msg.get("setup_error")
+            return None if err is None else f"the test code failed: {str(err)[:500]}"
+        else:
+            return "the judge sent a malformed message"
+
+
+def _short(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,4 +1,5 @@
-"""Finding and killing what is left of a sandboxed call, by a scan of /proc (no cgroups needed).
+"""Finding and killing what is left of a sandboxed call, by a scan of /proc: the clean-up of a call that has no
+cgroup (a call with one is emptied through it).
 
 A call's processes are those of its process group and, when it had one, of its PID namespace. The scan refuses
 the caller's own group and namespace and never returns the caller, its ancestors or init, so a wrong argument
@@ -7,9 +8,12 @@ cannot turn it against the machine.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
+
+log = logging.getLogger(__name__)
 
 
 def stat_fields(pid: int | str) -> list[str] | None:
@@ -86,14 +90,19 @@ def sandbox_processes(pgid: int, pid_namespace: str | None) -> list[int]:
     return [p for p in found if p not in protected and alive(p)]
 
 
-def kill_leftovers(pgid: int, pid_namespace: str | None, deadline_s: float = 2.0) -> int:
-    """SIGKILL what `sandbox_processes` finds until none is left or `deadline_s` passes; how many were found."""
+def kill_leftovers(pgid: int, pid_namespace: str | None, deadline_s: float = 10.0) -> int:
+    """SIGKILL what `sandbox_processes` finds until a scan finds none (a killed process forks no more, so each
+    round leaves only what was forked during the last), or `deadline_s` passes; how many were found."""
     killed: set[int] = set()
     stop = time.monotonic() + deadline_s
-    while time.monotonic() < stop:
+    while True:
         pids = sandbox_processes(pgid, pid_namespace)
         if not pids:
-            break
+            return len(killed)
+        if time.monotonic() > stop:
+            log.warning("sandbox: %d processes of group %d still alive after %.0f s of killing", len(pids), pgid,
+                        deadline_s)
+            return len(killed)
         for pid in pids:
             killed.add(pid)
             try:
@@ -101,4 +110,3 @@ def kill_leftovers(pgid: int, pid_namespace: str | None, deadline_s: float = 2.0
             except OSError:
                 pass
         time.sleep(0.01)
-    return len(killed)

@@ -1,147 +1,298 @@
-"""A sandboxed Python interpreter: one fresh process tree per call, bounded in time, memory, processes and output.
+"""A sandboxed Python interpreter: one fresh, isolated process tree per call, bounded as a whole.
 
-Each call (`Sandbox.run`) gets:
-- its own temporary folder as cwd, HOME and TMPDIR, removed afterwards;
-- a scrubbed environment (PATH, LANG, HOME, TMPDIR only; the interpreter runs with -I, so no PYTHONPATH or user
-  site applies);
-- resource limits set in the program's process before exec, soft and hard alike where the hard one is the kill:
-  CPU time (SIGXCPU at the limit, SIGKILL a second later), address space (allocation beyond it fails with
-  MemoryError), processes (RLIMIT_NPROC, enforced by the kernel only for a user other than root), file size
-  (SIGXFSZ) and open files;
-- an unprivileged user (`nobody` by default) when the caller is root, with no-new-privileges set;
-- new network and PID namespaces when `unshare` can make them (root here): inside, only a loopback interface
-  that is down, so every connection fails with ENETUNREACH; and when the supervisor (PID 1 there) exits, the
-  kernel kills every process left in the namespace, even one that left the process group;
-- a wall-clock time-out that kills the whole process group; after the call, a scan of /proc kills anything of the
-  call's process group or PID namespace still alive, so no process outlives its call;
-- stdout and stderr read as they come, each kept up to its byte cap and counted beyond it (never buffered whole).
+Each call (`Sandbox.run`, or `Sandbox.start` for a call the caller talks to while it runs) gets, where the machine
+allows it (root with util-linux-era kernel features; `isolation` says what each call got):
+- a cgroup of its own (v2 where it offers memory and pids, else v1): memory (processes and tmpfs together),
+  processes and threads, and a CPU quota hold for the whole call, and calls share the CPU by call, not by process;
+- its own PID namespace (its init is the supervisor: when it exits the kernel kills everything left there),
+  network namespace (only a loopback that is down: every connection fails), IPC and UTS namespaces;
+- its own mount namespace and root: the host's `host_paths` read-only, /dev with null, zero, full, random,
+  urandom, and its own /proc, /tmp (its working folder) and /dev/shm as tmpfs counted in its memory; nothing
+  else of the host's file system (so no path-based Unix socket of the host) is there;
+- an unprivileged user (`nobody`) in a user namespace of its own, where the kernel counts RLIMIT_NPROC for this
+  call alone, with no-new-privileges; per-process rlimits on CPU time, address space, file size and open files;
+- a wall-clock limit, after which every process of the call is killed; stdout and stderr read as they come,
+  each kept up to its byte cap and counted beyond it.
 
-`SandboxResult.isolation` says what the call got: network "namespace" or "none", pid "namespace" or "none",
-user "nobody" (the dropped-to user's name) or "same".
+Without a usable cgroup the supervisor polls the call's processes and kills them all at the memory or process
+limit; without root there are no namespaces and no user drop. The sandbox logs the weaker guarantee it gives
+once, when it is made, and `SandboxLimits.require` refuses to run without what a caller needs.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
-import json
+import logging
+import marshal
 import math
 import os
 import pwd
-import selectors
-import shutil
-import signal
 import stat
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
+from rollverify.environment.cgroups import CallCgroup, CgroupPlan, resolve_cgroups
 from rollverify.environment.limits import SandboxLimits, SandboxUnavailable
-from rollverify.environment.procscan import kill_leftovers
+from rollverify.environment.result import SandboxResult, failed_result
+from rollverify.environment.session import ChannelError, SandboxSession
 
 CHILD_SOURCE = (Path(__file__).with_name("_sandbox_child.py")).read_text()
 SYSTEM_PYTHON = "/usr/bin/python3"
-READ_CHUNK = 1 << 16
-COLLECT_BYTES = 1 << 16
-# Time the parent waits for the pipes to close after the process group was killed.
-DRAIN_GRACE_S = 1.0
+MAX_MESSAGE_BYTES = 16 << 20
+# Polling period of the accounting that stands in for a cgroup (a PID namespace's /proc is small; the host's
+# is not).
+POLL_S = {True: 0.02, False: 0.05}
+log = logging.getLogger(__name__)
 
-__all__ = ["Sandbox", "SandboxLimits", "SandboxResult", "SandboxUnavailable", "namespaces_available"]
+
+class SandboxStartError(OSError):
+    """The machine could not start a call (a fork, a pipe or the call's cgroup failed)."""
+
+__all__ = [
+    "ChannelError",
+    "Sandbox",
+    "SandboxLimits",
+    "SandboxResult",
+    "SandboxSession",
+    "SandboxStartError",
+    "SandboxUnavailable",
+    "namespaces_available",
+]
 
 
-@dataclass(frozen=True)
-class SandboxResult:
-    """What one sandboxed call did. `exit_code` is None when a signal ended the program (`killed_by` names it)."""
+@dataclasses.dataclass(frozen=True)
+class Probe:
+    """What the machine gave a trial call: namespaces (mount, PID, network...), a user namespace, and why not."""
 
-    exit_code: int | None
-    killed_by: str | None
-    stdout: str
-    stderr: str
-    stdout_truncated: bool
-    stderr_truncated: bool
-    stdout_bytes: int
-    stderr_bytes: int
-    timed_out: bool
-    wall_seconds: float
-    cpu_seconds: float | None
-    peak_memory_bytes: int | None
-    isolation: dict[str, str]
-    process_group: int
-    pid_namespace: str | None
-    leftovers_killed: int = 0
-    error: str | None = None
-    files: dict[str, str | None] = field(default_factory=dict)
-    limits: SandboxLimits = field(default_factory=SandboxLimits)
+    namespaces: bool
+    userns: bool
+    reason: str
 
-    @property
-    def ok(self) -> bool:
-        return self.exit_code == 0 and not self.timed_out and self.error is None
 
-    def reason(self) -> str:
-        """One line on how the call ended, for environment text and logs."""
-        if self.error is not None:
-            return f"sandbox error: {self.error}"
-        if self.timed_out:
-            return f"timed out after {self.limits.wall_seconds:g} s wall time (process group killed)"
-        if self.killed_by == "SIGXCPU" or (self.killed_by == "SIGKILL" and self._cpu_spent()):
-            return f"killed: CPU time limit of {self.limits.cpu_seconds:g} s exceeded"
-        if self.killed_by == "SIGXFSZ":
-            return f"killed: file size limit of {self.limits.file_bytes} bytes exceeded"
-        if self.killed_by is not None:
-            return f"killed by {self.killed_by}"
-        return f"exit code {self.exit_code}"
-
-    def _cpu_spent(self) -> bool:
-        return self.cpu_seconds is not None and self.cpu_seconds >= math.ceil(self.limits.cpu_seconds)
+def _launch(python: str, spec: dict, chan: bool) -> tuple[subprocess.Popen, int, tuple[int, int] | None]:
+    """Start the supervisor and hand it `spec`; (process, status read end, (channel write end, channel read end))."""
+    status_r, status_w = os.pipe()
+    spec_r, spec_w = os.pipe()
+    pass_fds = [status_w, spec_r]
+    ours: tuple[int, int] | None = None
+    theirs: list[int] = []
+    if chan:
+        to_r, to_w = os.pipe()
+        from_r, from_w = os.pipe()
+        ours, theirs = (to_w, from_r), [to_r, from_w]
+        pass_fds += theirs
+    spec = {**spec, "status_fd": status_w, "chan": theirs or None}
+    try:
+        proc = subprocess.Popen(
+            [python, "-I", "-S", "-c", CHILD_SOURCE, str(spec_r)],
+            cwd="/",
+            env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            pass_fds=pass_fds,
+            start_new_session=True,
+        )
+    except OSError:
+        for fd in (status_r, spec_w, *(ours or ())):
+            os.close(fd)
+        raise
+    finally:
+        for fd in (status_w, spec_r, *theirs):
+            os.close(fd)
+    try:
+        with os.fdopen(spec_w, "wb") as f:
+            f.write(marshal.dumps(spec))
+    except OSError:
+        pass  # the supervisor died before reading it: its end says why
+    return proc, status_r, ours
 
 
 @cache
-def namespaces_available(unshare: str | None = None) -> bool:
-    """Whether `unshare` can make network and PID namespaces here (needs root or CAP_SYS_ADMIN); probed once."""
-    exe = unshare or shutil.which("unshare")
-    if exe is None:
+def probe(python: str, ids: tuple[int, int] | None, host_paths: tuple[str, ...]) -> Probe:
+    """Run `pass` once with every isolation, then without the namespaces, to see what this machine allows."""
+    if os.geteuid() != 0:
+        return Probe(False, False, "not root: no namespaces, no user drop")
+    reasons = []
+    for namespaces in (True, False):
+        for userns in (True, False) if ids is not None else (False,):
+            spec = _spec_base(python, ids, namespaces, userns, SandboxLimits(wall_seconds=30), host_paths)
+            spec["files"] = {"main.py": "pass\n"} if namespaces else {}
+            work = None if namespaces else tempfile.mkdtemp(prefix="rv-sandbox-probe-")
+            if work is not None:
+                os.chmod(work, 0o755)
+                Path(work, "main.py").write_text("pass\n")
+                spec.update(program=f"{work}/main.py", cwd=work, env=_env(work))
+            try:
+                proc, status_r, _ = _launch(python, spec, chan=False)
+                out, err = proc.communicate(timeout=30)
+                with os.fdopen(status_r) as f:
+                    events = [ast.literal_eval(line) for line in f.read().splitlines() if line.startswith("{")]
+            except (OSError, subprocess.TimeoutExpired, ValueError, SyntaxError) as exc:
+                events, err = [{"event": "error", "message": repr(exc)}], b""
+            finally:
+                if work is not None:
+                    subprocess.run(["rm", "-rf", work], check=False)
+            end = next((e for e in events if e.get("event") in ("exit", "error")), {})
+            if end.get("event") == "exit" and end.get("status") == 0:
+                return Probe(namespaces, userns, "; ".join(reasons))
+            why = end.get("message") or err.decode(errors="replace").strip()[-300:] or "no report"
+            reasons.append(f"namespaces={namespaces} userns={userns}: {why}")
+    return Probe(False, False, "; ".join(reasons))
+
+
+def _spec_base(
+    python: str,
+    ids: tuple[int, int] | None,
+    namespaces: bool,
+    userns: bool,
+    lim: SandboxLimits,
+    host_paths: tuple[str, ...],
+) -> dict:
+    cpu = math.ceil(lim.cpu_seconds)
+    workdir = "/tmp" if namespaces else None
+    return {
+        "namespaces": namespaces,
+        "userns": userns,
+        "uid": ids[0] if ids else None,
+        "gid": ids[1] if ids else None,
+        "rlimits": {
+            "RLIMIT_CPU": [cpu, cpu + 1],
+            "RLIMIT_AS": [lim.memory_bytes, lim.memory_bytes],
+            "RLIMIT_FSIZE": [lim.file_bytes, lim.file_bytes],
+            "RLIMIT_NOFILE": [lim.open_files, lim.open_files],
+            "RLIMIT_CORE": [0, 0],
+        },
+        "nproc": lim.processes if ids is not None else None,
+        "python": python,
+        "program": f"{workdir}/main.py" if workdir else None,
+        "cwd": workdir,
+        "env": _env(workdir) if workdir else None,
+        "host_paths": list(host_paths),
+        "disk_bytes": lim.disk_bytes,
+        "cgroup_procs": [],
+        "accounting": None,
+        "files": {},
+    }
+
+
+def _env(work: str) -> dict[str, str]:
+    return {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": work, "TMPDIR": work}
+
+
+@cache
+def _cgroups(mode: str, parent: str | None) -> tuple[CgroupPlan | None, str]:
+    return resolve_cgroups(mode, parent)
+
+
+@cache
+def namespaces_available() -> bool:
+    """Whether calls get their own namespaces here (root, with the system interpreter and the default user)."""
+    if os.geteuid() != 0 or not os.access(SYSTEM_PYTHON, os.X_OK):
         return False
     try:
-        done = subprocess.run(
-            [exe, "--net", "--pid", "--fork", "--kill-child", "--", "true"],
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            timeout=10,
-            env={"PATH": "/usr/bin:/bin"},
-        )
-    except (OSError, subprocess.TimeoutExpired):
+        entry = pwd.getpwnam("nobody")
+    except KeyError:
         return False
-    return done.returncode == 0
+    return probe(SYSTEM_PYTHON, (entry.pw_uid, entry.pw_gid), SandboxLimits().host_paths).namespaces
+
+
+_warned: set[tuple[tuple[str, str], ...]] = set()
 
 
 class Sandbox:
-    """Runs Python source under one `SandboxLimits`; thread-safe (each call owns its process, folder and pipes)."""
+    """Runs Python source under one `SandboxLimits`; thread-safe (each call owns its processes, cgroup and pipes)."""
 
     def __init__(self, limits: SandboxLimits | None = None) -> None:
-        self.limits = limits if limits is not None else SandboxLimits()
+        self.limits = lim = limits if limits is not None else SandboxLimits()
         self._user = self._resolve_user()
         self._python = self._resolve_python()
-        self._unshare = shutil.which("unshare") if self.limits.network_namespace else None
-        self._namespaces = self._unshare is not None and namespaces_available(self._unshare)
-        if self._user is not None:
-            _check_traversable(Path(self.limits.base_dir or tempfile.gettempdir()), self._user[0])
-        missing = [k for k, v in self.isolation.items() if k in self.limits.require and v in ("none", "same")]
+        ids = self._user[1:] if self._user else None
+        if lim.namespaces and os.geteuid() == 0:
+            self._check_visible(self._python)
+        found = probe(self._python, ids, lim.host_paths) if lim.namespaces else Probe(False, False, "turned off")
+        self._probe = found
+        self._namespaces = found.namespaces
+        self._userns = found.userns or (not lim.namespaces and ids is not None and self._userns_alone(ids))
+        self._cgroup_plan, self._cgroup_reason = _cgroups(lim.cgroup, lim.cgroup_parent)
+        if self._user is not None and not self._namespaces:
+            _check_traversable(Path(lim.base_dir or tempfile.gettempdir()), self._user[0])
+        missing = [k for k in lim.require if not self._has(k)]
         if missing:
             raise SandboxUnavailable(
                 f"the sandbox requires {', '.join(sorted(missing))} isolation and this machine does not give it "
-                f"(got {self.isolation}); run as root with util-linux unshare, or drop it from "
-                "SandboxLimits.require"
+                f"(got {self.isolation}; {self._why()}); run as root on Linux with user namespaces and a "
+                "writable cgroup hierarchy, or drop it from SandboxLimits.require"
             )
+        self._announce()
+
+    def _userns_alone(self, ids: tuple[int, int]) -> bool:
+        return probe(self._python, ids, self.limits.host_paths).userns
 
     @property
     def isolation(self) -> dict[str, str]:
         ns = "namespace" if self._namespaces else "none"
-        user = self._user[0] if self._user is not None else "same"
-        return {"network": ns, "pid": ns, "user": user, "python": self._python}
+        return {
+            "network": ns,
+            "pid": ns,
+            "mount": ns,
+            "user": self._user[0] if self._user is not None else "same",
+            "userns": "namespace" if self._userns else "none",
+            "limits": self._cgroup_plan.name if self._cgroup_plan is not None else "accounting",
+            "python": self._python,
+        }
+
+    def _has(self, kind: str) -> bool:
+        if kind == "cgroup":
+            return self._cgroup_plan is not None
+        if kind == "user":
+            return self._user is not None
+        if kind == "userns":
+            return self._userns
+        return self._namespaces
+
+    def _why(self) -> str:
+        parts = [f"namespaces: {self._probe.reason}"] if self._probe.reason else []
+        if self._cgroup_plan is None:
+            parts.append(f"cgroups: {self._cgroup_reason}")
+        return "; ".join(parts) or "all isolations available"
+
+    def guarantees(self) -> list[str]:
+        """What a call here is and is not held to, one line each (logged at start when weaker than the full set)."""
+        iso, lim = self.isolation, self.limits
+        out = []
+        if iso["limits"] == "accounting":
+            out.append(
+                f"memory ({lim.memory_bytes >> 20} MiB) and processes ({lim.processes}) of the whole call are "
+                "polled and the call killed at a limit, not enforced by a cgroup: a burst between two polls can pass "
+                f"the limit (why: {self._cgroup_reason})"
+            )
+        if iso["pid"] == "none":
+            out.append(
+                "no PID, mount or network namespace: the program sees the host's processes, files and network, and "
+                "a process that leaves the call's process group escapes the accounting and the clean-up"
+            )
+        if iso["user"] == "same":
+            out.append("no user drop: the program runs as the caller and can do whatever the caller can")
+        elif iso["userns"] == "none":
+            out.append("no user namespace: RLIMIT_NPROC counts every call of the sandbox user together")
+        return out
+
+    def _announce(self) -> None:
+        key = tuple(sorted(self.isolation.items()))
+        if key in _warned:
+            return
+        _warned.add(key)
+        weaker = self.guarantees()
+        if weaker:
+            log.warning("sandbox: weaker isolation on this machine (%s): %s", self._why(), " | ".join(weaker))
+        else:
+            log.info("sandbox: %s", self.isolation)
 
     def _resolve_user(self) -> tuple[str, int, int] | None:
         if os.geteuid() != 0 or not self.limits.user:
@@ -156,36 +307,86 @@ class Sandbox:
         return entry.pw_name, entry.pw_uid, entry.pw_gid
 
     def _resolve_python(self) -> str:
+        """The caller's interpreter when the program runs as the caller on the host's file system; else the
+        system's, which the sandbox user can read and the private root holds (/usr)."""
         if self.limits.python is not None:
             return self.limits.python
-        if self._user is None:
+        private_root = self.limits.namespaces and os.geteuid() == 0
+        if self._user is None and not private_root:
             return sys.executable
         if not os.access(SYSTEM_PYTHON, os.X_OK):
             raise SandboxUnavailable(
-                f"the sandbox drops to user {self._user[0]!r} and needs an interpreter that user can run; "
-                f"{SYSTEM_PYTHON} does not exist here (the caller's {sys.executable} may not be readable by it). "
-                "Install python3 or set SandboxLimits.python"
+                f"the sandbox runs the program as {self._user[0] if self._user else 'root'} in its own root and needs "
+                f"an interpreter there; {SYSTEM_PYTHON} does not exist here (the caller's {sys.executable} may not "
+                "be readable or under host_paths). Install python3 or set SandboxLimits.python"
             )
         return SYSTEM_PYTHON
 
-    def run(
-        self, code: str, *, files: dict[str, str] | None = None, collect: Sequence[str] = ()
-    ) -> SandboxResult:
-        """Run `code` as a program (`main.py` in the call's folder, beside `files`); never raises for what it does.
-        The files named in `collect` are read back (up to COLLECT_BYTES each) into `SandboxResult.files` before the
-        folder is removed."""
-        work = Path(tempfile.mkdtemp(prefix="rv-sandbox-", dir=self.limits.base_dir))
-        try:
-            self._populate(work, code, files or {})
-            result = self._run_in(work)
-            if collect:
-                result = dataclasses.replace(result, files={n: _read_back(work, n) for n in collect})
-            return result
-        finally:
-            _remove_tree(work)
+    def _check_visible(self, python: str) -> None:
+        real = os.path.realpath(python)
+        roots = [os.path.realpath(p) for p in self.limits.host_paths]
+        if not any(real == r or real.startswith(r + "/") for r in roots):
+            raise SandboxUnavailable(
+                f"the interpreter {python} ({real}) is not under SandboxLimits.host_paths {self.limits.host_paths}, "
+                "so the program could not run in its private root; add its folder there"
+            )
 
-    def _populate(self, work: Path, code: str, files: dict[str, str]) -> None:
-        for name, text in {**files, "main.py": code}.items():
+    # --- calls -----------------------------------------------------------------------------------------------
+
+    def run(self, code: str, *, files: dict[str, str] | None = None) -> SandboxResult:
+        """Run `code` as a program (`main.py` in the call's folder, beside `files`); never raises for what it does."""
+        started = time.monotonic()
+        try:
+            session = self.start(code, files=files, channel=False)
+        except SandboxStartError as exc:
+            return failed_result(str(exc), time.monotonic() - started, self.limits, self.isolation)
+        return session.finish()
+
+    def start(
+        self,
+        code: str,
+        *,
+        files: dict[str, str] | None = None,
+        channel: bool = True,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+    ) -> SandboxSession:
+        """Start `code`; with `channel` the program reads messages on descriptor 3 and writes them on 4 (frames of
+        `wire`). SandboxStartError when the machine cannot start it (no process, no cgroup)."""
+        started = time.monotonic()
+        everything = {**(files or {}), "main.py": code}
+        for name in everything:
+            if os.path.isabs(name) or ".." in Path(name).parts or not name.strip():
+                raise ValueError(f"sandbox file name {name!r} leaves the call's folder; use a relative name")
+        lim = self.limits
+        ids = self._user[1:] if self._user else None
+        spec = _spec_base(self._python, ids, self._namespaces, self._userns, lim, lim.host_paths)
+        work: Path | None = None
+        cgroup: CallCgroup | None = None
+        try:
+            if self._namespaces:
+                spec["files"] = everything
+            else:
+                work = Path(tempfile.mkdtemp(prefix="rv-sandbox-", dir=lim.base_dir))
+                self._populate(work, everything)
+                spec.update(program=str(work / "main.py"), cwd=str(work), env=_env(str(work)))
+            if self._cgroup_plan is not None:
+                cgroup = CallCgroup.create(self._cgroup_plan, lim.memory_bytes, lim.processes, lim.cpus)
+                spec["cgroup_procs"] = cgroup.procs_files()
+            else:
+                spec["accounting"] = {
+                    "memory": lim.memory_bytes, "processes": lim.processes, "poll_s": POLL_S[self._namespaces],
+                }  # fmt: skip
+            proc, status_r, chan = _launch(self._python, spec, chan=channel)
+        except OSError as exc:
+            if cgroup is not None:
+                cgroup.close()
+            if work is not None:
+                subprocess.run(["rm", "-rf", str(work)], check=False)
+            raise SandboxStartError(f"could not start the sandbox: {exc}") from exc
+        return SandboxSession(proc, status_r, chan, lim, self.isolation, cgroup, work, started, max_message_bytes)
+
+    def _populate(self, work: Path, files: dict[str, str]) -> None:
+        for name, text in files.items():
             target = (work / name).resolve()
             if work.resolve() not in target.parents:
                 raise ValueError(f"sandbox file name {name!r} leaves the call's folder; use a relative name")
@@ -197,193 +398,6 @@ class Sandbox:
             for path in [work, *work.rglob("*")]:
                 os.chown(path, uid, gid, follow_symlinks=False)
 
-    def _command(self, work: Path, status_fd: int) -> list[str]:
-        lim = self.limits
-        cpu = math.ceil(lim.cpu_seconds)
-        rlimits = {
-            "RLIMIT_CPU": [cpu, cpu + 1],
-            "RLIMIT_AS": [lim.memory_bytes, lim.memory_bytes],
-            "RLIMIT_FSIZE": [lim.file_bytes, lim.file_bytes],
-            "RLIMIT_NOFILE": [lim.open_files, lim.open_files],
-            "RLIMIT_CORE": [0, 0],
-        }
-        if self._user is not None:
-            rlimits["RLIMIT_NPROC"] = [lim.processes, lim.processes]
-        spec = {
-            "status_fd": status_fd,
-            "rlimits": rlimits,
-            "uid": self._user[1] if self._user else None,
-            "gid": self._user[2] if self._user else None,
-            "no_new_privs": True,
-            "pid_namespace": self._namespaces,
-            "python": self._python,
-            "program": str(work / "main.py"),
-            "env": self._env(work),
-        }
-        cmd = [self._python, "-I", "-c", CHILD_SOURCE, json.dumps(spec)]
-        if self._namespaces:
-            cmd = [self._unshare, "--net", "--pid", "--fork", "--kill-child", "--", *cmd]
-        return cmd
-
-    @staticmethod
-    def _env(work: Path) -> dict[str, str]:
-        return {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": str(work), "TMPDIR": str(work)}
-
-    def _run_in(self, work: Path) -> SandboxResult:
-        lim = self.limits
-        status_r, status_w = os.pipe()
-        started = time.monotonic()
-        try:
-            proc = subprocess.Popen(
-                self._command(work, status_w),
-                cwd=work,
-                env=self._env(work),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                pass_fds=(status_w,),
-                start_new_session=True,
-            )
-        except OSError as exc:
-            os.close(status_r)
-            os.close(status_w)
-            return self._failed(f"could not start the sandbox: {exc}", time.monotonic() - started)
-        os.close(status_w)
-        pgid = proc.pid
-        streams = _Capture(proc, status_r, lim.stdout_bytes, lim.stderr_bytes)
-        timed_out = not streams.pump(started + lim.wall_seconds)
-        # The program ended or ran out of time: nothing of its group may outlive the call.
-        _killpg(pgid)
-        streams.pump(time.monotonic() + DRAIN_GRACE_S)
-        streams.close()
-        returncode = proc.wait()
-        wall = time.monotonic() - started
-        status = streams.status()
-        pid_ns = status.get("pid_ns") if self._namespaces else None
-        if pid_ns == os.readlink("/proc/self/ns/pid"):
-            # The supervisor runs in the caller's namespace after all (or its report was forged): scan by group.
-            pid_ns = None
-        leftovers = kill_leftovers(pgid, pid_ns)
-        exit_code, killed_by = _decode(status.get("status"), returncode, timed_out)
-        maxrss = status.get("maxrss_kib")
-        return SandboxResult(
-            exit_code=exit_code,
-            killed_by=killed_by,
-            stdout=streams.text(0),
-            stderr=streams.text(1),
-            stdout_truncated=streams.seen[0] > lim.stdout_bytes,
-            stderr_truncated=streams.seen[1] > lim.stderr_bytes,
-            stdout_bytes=streams.seen[0],
-            stderr_bytes=streams.seen[1],
-            timed_out=timed_out,
-            wall_seconds=wall,
-            cpu_seconds=status.get("cpu_seconds"),
-            peak_memory_bytes=maxrss * 1024 if maxrss is not None else None,
-            isolation=self.isolation,
-            process_group=pgid,
-            pid_namespace=pid_ns,
-            leftovers_killed=leftovers,
-            limits=lim,
-        )
-
-    def _failed(self, error: str, wall: float) -> SandboxResult:
-        return SandboxResult(
-            exit_code=None, killed_by=None, stdout="", stderr="", stdout_truncated=False, stderr_truncated=False,
-            stdout_bytes=0, stderr_bytes=0, timed_out=False, wall_seconds=wall, cpu_seconds=None,
-            peak_memory_bytes=None, isolation=self.isolation, process_group=-1, pid_namespace=None,
-            error=error, limits=self.limits,
-        )  # fmt: skip
-
-
-class _Capture:
-    """Reads stdout, stderr and the supervisor's status pipe as they come, keeping at most `caps` bytes of each."""
-
-    def __init__(self, proc: subprocess.Popen, status_fd: int, *caps: int) -> None:
-        self.proc = proc
-        self.caps = caps
-        self.kept: tuple[bytearray, bytearray] = (bytearray(), bytearray())
-        self.seen = [0, 0]
-        self.status_buf = bytearray()
-        self.sel = selectors.DefaultSelector()
-        assert proc.stdout is not None and proc.stderr is not None
-        for key, f in ((0, proc.stdout), (1, proc.stderr)):
-            os.set_blocking(f.fileno(), False)
-            self.sel.register(f.fileno(), selectors.EVENT_READ, key)
-        os.set_blocking(status_fd, False)
-        self.sel.register(status_fd, selectors.EVENT_READ, 2)
-
-    def pump(self, deadline: float) -> bool:
-        """Read until every pipe is closed (True) or `deadline` passes (False)."""
-        while self.sel.get_map():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            for key, _ in self.sel.select(timeout=min(left, 0.5)):
-                self._read(key.fd, key.data)
-        return True
-
-    def _read(self, fd: int, which: int) -> None:
-        try:
-            chunk = os.read(fd, READ_CHUNK)
-        except BlockingIOError:
-            return
-        except OSError:
-            chunk = b""
-        if not chunk:
-            self.sel.unregister(fd)
-            if which == 2:
-                os.close(fd)
-            return
-        if which == 2:
-            self.status_buf += chunk
-            return
-        self.seen[which] += len(chunk)
-        room = self.caps[which] - len(self.kept[which])
-        if room > 0:
-            self.kept[which].extend(chunk[:room])
-
-    def close(self) -> None:
-        for key in list(self.sel.get_map().values()):
-            self.sel.unregister(key.fd)
-            if key.data == 2:
-                os.close(key.fd)
-        self.sel.close()
-        assert self.proc.stdout is not None and self.proc.stderr is not None
-        self.proc.stdout.close()
-        self.proc.stderr.close()
-
-    def text(self, which: int) -> str:
-        return self.kept[which].decode("utf-8", errors="replace")
-
-    def status(self) -> dict:
-        merged: dict = {}
-        for line in self.status_buf.decode(errors="replace").splitlines():
-            try:
-                merged.update(json.loads(line))
-            except ValueError:
-                continue
-        return merged
-
-
-def _decode(status: int | None, returncode: int, timed_out: bool) -> tuple[int | None, str | None]:
-    """(exit code, signal name) of the program from the supervisor's wait status, else from the top process."""
-    if status is not None:
-        if os.WIFSIGNALED(status):
-            return None, signal.Signals(os.WTERMSIG(status)).name
-        return os.WEXITSTATUS(status), None
-    if returncode < 0:
-        return None, signal.Signals(-returncode).name
-    if timed_out:
-        return None, "SIGKILL"
-    return returncode, None
-
-
-def _killpg(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
 
 def _check_traversable(base: Path, user: str) -> None:
     """The sandbox user reaches its folder under `base` only if every folder above it lets others pass."""
@@ -393,30 +407,3 @@ def _check_traversable(base: Path, user: str) -> None:
                 f"the sandbox user {user!r} cannot reach folders under {base}: {folder} is not searchable by "
                 "others; set SandboxLimits.base_dir (or TMPDIR) to a folder like /tmp"
             )
-
-
-def _read_back(work: Path, name: str) -> str | None:
-    """A regular file the program left in its folder (no link followed out of it), or None."""
-    path = work / name
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode) or work.resolve() not in path.resolve().parents:
-            return None
-        return os.read(fd, COLLECT_BYTES).decode("utf-8", errors="replace")
-    finally:
-        os.close(fd)
-
-
-def _remove_tree(path: Path) -> None:
-    def make_writable(func, p, _exc) -> None:  # noqa: ANN001 - shutil's onerror signature
-        try:
-            os.chmod(os.path.dirname(p), 0o700)
-            os.chmod(p, 0o700)
-            func(p)
-        except OSError:
-            pass
-
-    shutil.rmtree(path, onerror=make_writable)

@@ -36,21 +36,24 @@ _FENCE = re.compile(r"```(?:[A-Za-z0-9_+-]*)\n(.*?)```", re.DOTALL)
 KINDS = ("humaneval", "mbpp", "stdio", "functional")
 
 
-def parse_tests(label: str) -> tuple[CodeTests, str]:
-    """The tests a label names, and the program prefix (HumanEval's prompt; else empty); ValueError when bad."""
+def parse_tests(label: str) -> tuple[CodeTests, str, str | None]:
+    """The tests a label names, the program prefix (HumanEval's prompt; else empty) and the function the prefix
+    declares (HumanEval's entry point; else None); ValueError when bad."""
     try:
         spec = json.loads(label)
     except ValueError:
         raise ValueError(f"a code label must be the JSON of its tests, got {label[:60]!r}") from None
     kind = spec.get("kind") if isinstance(spec, dict) else None
     if kind == "humaneval":
-        return CodeTests.humaneval(spec["test"], spec["entry_point"]), spec.get("prompt", "")
+        prompt = spec.get("prompt", "")
+        entry = spec["entry_point"]
+        return CodeTests.humaneval(spec["test"], entry, prompt=prompt), prompt, entry
     if kind == "mbpp":
-        return CodeTests.mbpp(spec["test_list"], spec.get("test_setup_code", "")), ""
+        return CodeTests.mbpp(spec["test_list"], spec.get("test_setup_code", "")), "", None
     if kind == "stdio":
-        return CodeTests.stdio([(str(i), str(o)) for i, o in spec["cases"]]), ""
+        return CodeTests.stdio_pairs([(str(i), str(o)) for i, o in spec["cases"]]), "", None
     if kind == "functional":
-        return CodeTests.functional(spec["func_name"], [(str(i), str(o)) for i, o in spec["cases"]]), ""
+        return CodeTests.functional(spec["func_name"], [(str(i), str(o)) for i, o in spec["cases"]]), "", None
     raise ValueError(f"a code label's kind must be one of {KINDS}, got {kind!r}")
 
 
@@ -103,18 +106,15 @@ class CodeTask(FileTask):
 
     def score(self, response: str, label: str) -> Any:
         """The `CodeReward` of a response (passed, total, why)."""
-        tests, prefix = parse_tests(label)
+        tests, prefix, entry = parse_tests(label)
         code = extract_code(response)
-        if prefix and not _defines(code, tests.call):
+        if prefix and entry is not None and not _defines(code, entry):
             code = prefix + code
         if self._sandbox is None:
             self._sandbox = Sandbox(self.limits)
         return code_reward(code, tests, self._sandbox, partial=self.partial, per_case_s=self.per_case_s)
 
 
-def _defines(code: str, call: str | None) -> bool:
-    """Whether `code` defines the function HumanEval's `check(entry_point)` call names."""
-    if call is None:
-        return True
-    name = call[len("check("):-1]
+def _defines(code: str, name: str) -> bool:
+    """Whether `code` defines the function `name` (HumanEval's entry point)."""
     return re.search(rf"^\s*def\s+{re.escape(name)}\s*\(", code, re.MULTILINE) is not None
