@@ -134,12 +134,20 @@ class Case:
                 buf += chunk
 
     def _ended(self):
-        self.kill()
+        """Why the case's process stopped answering (it is reaped here)."""
+        if self.pid is None:
+            return "CaseCrash: the case's process ended"
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except OSError:
+            pass
         try:
             _, status = os.waitpid(self.pid, 0)
         except ChildProcessError:
-            return "the case's process ended"
+            status = None
         self.pid = None
+        if status is None:
+            return "CaseCrash: the case's process ended"
         if os.WIFSIGNALED(status):
             return f"CaseCrash: the case's process was killed by signal {os.WTERMSIG(status)}"
         return f"CaseCrash: the case's process exited with code {os.WEXITSTATUS(status)}"

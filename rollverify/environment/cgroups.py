@@ -158,7 +158,8 @@ def _resolve_v2(fs: CgroupFS, found: list[Mount], own: dict[str, str], parent: s
     target = parent or own.get("")
     folder = _on_disk(mount, target) if target else None
     if folder is None:
-        raise _NoCgroup(f"cgroup {target!r} is not under the cgroup2 mount at {mount.point}")
+        raise _NoCgroup(f"cgroup {target or '(the caller has none under v2)'} is not under the cgroup2 mount at "
+                        f"{mount.point}")
     try:
         available = fs.read(folder + "/cgroup.controllers").split()
     except OSError as exc:
