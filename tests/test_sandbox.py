@@ -434,6 +434,45 @@ def test_a_process_that_leaves_the_group_does_not_outlive_the_call(limits, check
         canary.wait()
 
 
+def test_a_dead_zygote_is_restarted_and_a_call_outlives_no_dead_caller(limits, check_clean):
+    """The zygote that forks the calls' supervisors is started again if it died; a call whose caller died (and
+    with it the zygote) kills itself 3 s past its wall limit."""
+    from rollverify.environment.launcher import Launcher
+
+    sandbox = Sandbox(limits)
+    assert sandbox.run("print(1)").stdout == "1\n"
+    launcher = Launcher.get(sandbox.isolation["python"])
+    assert launcher.proc is not None
+    launcher.proc.kill()
+    launcher.proc.wait()
+    again = sandbox.run("print(2)")
+    assert again.stdout == "2\n", again
+    check_clean(again)
+    caller = (
+        "import sys, time\nfrom rollverify.environment.sandbox import Sandbox, SandboxLimits\n"
+        "s = Sandbox(SandboxLimits(wall_seconds=2, base_dir=sys.argv[1]))\n"
+        "call = s.start('import time\\ntime.sleep(600)', channel=False)\nprint(call.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", caller, str(limits.base_dir)], stdout=subprocess.PIPE, text=True)
+    try:
+        group = int(proc.stdout.readline())
+    finally:
+        proc.kill()
+        proc.wait()
+    start = time.monotonic()
+    os.killpg(group, 0)  # the call lives on without its caller...
+    while time.monotonic() - start < 30:
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    gone = time.monotonic() - start
+    assert gone < 15, f"the orphaned call was still alive {gone:.0f} s after its caller died"  # ...not for long
+    print(f"\norphaned call (wall 2 s) gone {gone:.1f} s after its caller was killed")
+
+
 def test_without_namespaces_or_cgroups_the_sandbox_says_so(limits, check_clean, caplog):
     # Benign code only: this is the fallback in which a program may do whatever its caller may.
     with caplog.at_level(logging.WARNING, logger="rollverify.environment.sandbox"):

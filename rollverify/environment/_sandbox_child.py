@@ -1,7 +1,9 @@
-"""The sandbox's supervisor: run by `python -I -S -c <this source> <spec fd>`, never imported.
+"""The sandbox's zygote and supervisor: run by `python -I -S -c <this source> <socket fd>`, never imported.
 
-It starts as the caller's user (root in CI) with the call's spec (a marshalled dict) on the spec descriptor, and first joins the
-call's cgroups, so that everything it forks is counted there. With namespaces it then unshares mount, PID,
+The zygote is one small process per caller (started once, as the caller's user: root in CI) that forks a
+supervisor for each call it is sent (the call's spec, a marshalled dict, with its descriptors attached), so a
+call costs no interpreter start and no import for its supervisor. The supervisor starts a session of its own and
+first joins the call's cgroups, so that everything it forks is counted there. With namespaces it then unshares mount, PID,
 network, IPC and UTS namespaces and forks the call's init (PID 1 there), which builds a private root (a tmpfs
 with the host's `host_paths` bound read-only, a few device nodes, its own /proc, /tmp and /dev/shm as sized
 tmpfs), pivots into it and forks the program. The program sets its resource limits, drops to the unprivileged
@@ -25,6 +27,7 @@ import marshal
 import os
 import resource
 import signal
+import socket
 import sys
 
 PR_SET_PDEATHSIG = 1
@@ -43,7 +46,8 @@ MNT_DETACH = 2
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
 DEVICES = ("null", "zero", "full", "random", "urandom")
 NEW_ROOT = "/tmp"
-WORK = "/tmp"
+# Seconds past its wall limit after which a call kills itself, should its caller be gone.
+BACKSTOP_S = 3
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -72,17 +76,6 @@ def _report(fd, record):
         os.write(fd, (repr(record) + "\n").encode())
     except OSError:
         pass
-
-
-def _read_spec(fd):
-    chunks = []
-    while True:
-        chunk = os.read(fd, 1 << 16)
-        if not chunk:
-            break
-        chunks.append(chunk)
-    os.close(fd)
-    return marshal.loads(b"".join(chunks))
 
 
 # --- the private root --------------------------------------------------------------------------------------------
@@ -337,9 +330,12 @@ def _init(spec, status_fd):
     os._exit(0)
 
 
-def main():
-    spec = _read_spec(int(sys.argv[1]))
+def _supervisor(spec):
+    """The call's supervisor, in its own session: cgroup, namespaces, init (or the program itself without them)."""
     status_fd = spec["status_fd"]
+    # If the caller is gone, nothing kills the call at its wall limit: this alarm does, a little later.
+    signal.signal(signal.SIGALRM, lambda *_: os.killpg(os.getpgrp(), signal.SIGKILL))
+    signal.alarm(int(spec["wall_seconds"]) + BACKSTOP_S)
     try:
         for procs in spec["cgroup_procs"]:
             with open(procs, "w") as f:
@@ -375,4 +371,54 @@ def main():
     os._exit(0)
 
 
-main()
+# --- the zygote --------------------------------------------------------------------------------------------------
+
+
+def _recv_exact(sock, n):
+    data, fds = b"", []
+    while len(data) < n:
+        chunk, more, _, _ = socket.recv_fds(sock, n - len(data), 16)
+        if not chunk:
+            return None, fds
+        data += chunk
+        fds += more
+    return data, fds
+
+
+def _zygote(sock_fd):
+    """Fork one supervisor per request until the caller closes its end. A request is 8 bytes of length with the
+    call's descriptors attached (stdout, stderr, status, then the channel's two if any), then the marshalled spec;
+    the answer is the supervisor's pid (8 bytes). Children are reaped as they end."""
+    sock = socket.socket(fileno=sock_fd)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    while True:
+        header, fds = _recv_exact(sock, 8)
+        if header is None:
+            os._exit(0)
+        body, more = _recv_exact(sock, int.from_bytes(header, "big"))
+        fds += more
+        if body is None:
+            os._exit(0)
+        spec = marshal.loads(body)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                sock.close()
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                os.setsid()
+                null = os.open("/dev/null", os.O_RDONLY)
+                os.dup2(null, 0)
+                os.dup2(fds[0], 1)
+                os.dup2(fds[1], 2)
+                spec["status_fd"], spec["chan"] = fds[2], fds[3:5] or None
+                for fd in (null, fds[0], fds[1]):
+                    os.close(fd)
+                _supervisor(spec)
+            finally:
+                os._exit(1)
+        for fd in fds:
+            os.close(fd)
+        sock.sendall(pid.to_bytes(8, "big"))
+
+
+_zygote(int(sys.argv[1]))

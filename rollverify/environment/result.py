@@ -61,6 +61,8 @@ class SandboxResult:
             return f"killed: file size limit of {lim.file_bytes} bytes exceeded"
         if self.killed_by is not None:
             return f"killed by {self.killed_by}"
+        if self.exit_code is None:
+            return "ended without a report from its supervisor"
         return f"exit code {self.exit_code}"
 
     def _cpu_spent(self) -> bool:
@@ -77,14 +79,11 @@ def failed_result(error: str, wall: float, limits: SandboxLimits, isolation: dic
     )  # fmt: skip
 
 
-def decode_status(status: int | None, returncode: int, killed: bool) -> tuple[int | None, str | None]:
-    """(exit code, signal name) of the program from the supervisor's wait status, else from the supervisor."""
+def decode_status(status: int | None, killed: bool) -> tuple[int | None, str | None]:
+    """(exit code, signal name) of the program from the supervisor's wait status; without one (the supervisor
+    never reported it: killed, or it failed before the program ran) the program counts as killed."""
     if status is not None:
         if os.WIFSIGNALED(status):
             return None, signal.Signals(os.WTERMSIG(status)).name
         return os.WEXITSTATUS(status), None
-    if returncode < 0:
-        return None, signal.Signals(-returncode).name
-    if killed:
-        return None, "SIGKILL"
-    return returncode, None
+    return None, "SIGKILL" if killed else None

@@ -21,10 +21,8 @@ once, when it is made, and `SandboxLimits.require` refuses to run without what a
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import logging
-import marshal
 import math
 import os
 import pwd
@@ -37,13 +35,14 @@ from functools import cache
 from pathlib import Path
 
 from rollverify.environment.cgroups import CallCgroup, CgroupPlan, resolve_cgroups
+from rollverify.environment.launcher import Launcher
 from rollverify.environment.limits import SandboxLimits, SandboxUnavailable
 from rollverify.environment.result import SandboxResult, failed_result
 from rollverify.environment.session import ChannelError, SandboxSession
 
-CHILD_SOURCE = (Path(__file__).with_name("_sandbox_child.py")).read_text()
 SYSTEM_PYTHON = "/usr/bin/python3"
 MAX_MESSAGE_BYTES = 16 << 20
+PROBE_LIMITS = SandboxLimits(wall_seconds=30)
 # Polling period of the accounting that stands in for a cgroup (a PID namespace's /proc is small; the host's
 # is not).
 POLL_S = {True: 0.02, False: 0.05}
@@ -74,43 +73,33 @@ class Probe:
     reason: str
 
 
-def _launch(python: str, spec: dict, chan: bool) -> tuple[subprocess.Popen, int, tuple[int, int] | None]:
-    """Start the supervisor and hand it `spec`; (process, status read end, (channel write end, channel read end))."""
-    status_r, status_w = os.pipe()
-    spec_r, spec_w = os.pipe()
-    pass_fds = [status_w, spec_r]
-    ours: tuple[int, int] | None = None
-    theirs: list[int] = []
-    if chan:
-        to_r, to_w = os.pipe()
-        from_r, from_w = os.pipe()
-        ours, theirs = (to_w, from_r), [to_r, from_w]
-        pass_fds += theirs
-    spec = {**spec, "status_fd": status_w, "chan": theirs or None}
+@dataclasses.dataclass(frozen=True)
+class Launched:
+    """A started call's supervisor (its pid is the call's process group) and the caller's ends of its pipes."""
+
+    pid: int
+    stdout: int
+    stderr: int
+    status: int
+    chan: tuple[int, int] | None  # (the program's input: write end, its output: read end)
+
+
+def _launch(python: str, spec: dict, chan: bool) -> Launched:
+    """Start one call's supervisor through the zygote with `spec`."""
+    pipes = [os.pipe() for _ in range(5 if chan else 3)]
+    # theirs: stdout, stderr, status (write ends), then the channel's read end (to the program) and write end
+    theirs = [w for _, w in pipes[:3]] + ([pipes[3][0], pipes[4][1]] if chan else [])
+    ours = [r for r, _ in pipes[:3]] + ([pipes[3][1], pipes[4][0]] if chan else [])
     try:
-        proc = subprocess.Popen(
-            [python, "-I", "-S", "-c", CHILD_SOURCE, str(spec_r)],
-            cwd="/",
-            env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            pass_fds=pass_fds,
-            start_new_session=True,
-        )
+        pid = Launcher.get(python).spawn(spec, theirs)
     except OSError:
-        for fd in (status_r, spec_w, *(ours or ())):
+        for fd in ours:
             os.close(fd)
         raise
     finally:
-        for fd in (status_w, spec_r, *theirs):
+        for fd in theirs:
             os.close(fd)
-    try:
-        with os.fdopen(spec_w, "wb") as f:
-            f.write(marshal.dumps(spec))
-    except OSError:
-        pass  # the supervisor died before reading it: its end says why
-    return proc, status_r, ours
+    return Launched(pid, ours[0], ours[1], ours[2], (ours[3], ours[4]) if chan else None)
 
 
 @cache
@@ -121,7 +110,7 @@ def probe(python: str, ids: tuple[int, int] | None, host_paths: tuple[str, ...])
     reasons = []
     for namespaces in (True, False):
         for userns in (True, False) if ids is not None else (False,):
-            spec = _spec_base(python, ids, namespaces, userns, SandboxLimits(wall_seconds=30), host_paths)
+            spec = _spec_base(python, ids, namespaces, userns, PROBE_LIMITS, host_paths)
             spec["files"] = {"main.py": "pass\n"} if namespaces else {}
             work = None if namespaces else tempfile.mkdtemp(prefix="rv-sandbox-probe-")
             if work is not None:
@@ -129,19 +118,19 @@ def probe(python: str, ids: tuple[int, int] | None, host_paths: tuple[str, ...])
                 Path(work, "main.py").write_text("pass\n")
                 spec.update(program=f"{work}/main.py", cwd=work, env=_env(work))
             try:
-                proc, status_r, _ = _launch(python, spec, chan=False)
-                out, err = proc.communicate(timeout=30)
-                with os.fdopen(status_r) as f:
-                    events = [ast.literal_eval(line) for line in f.read().splitlines() if line.startswith("{")]
-            except (OSError, subprocess.TimeoutExpired, ValueError, SyntaxError) as exc:
-                events, err = [{"event": "error", "message": repr(exc)}], b""
+                launched = _launch(python, spec, chan=False)
+                session = SandboxSession(launched, PROBE_LIMITS, {"pid": "none"}, None, None, time.monotonic(),
+                                         MAX_MESSAGE_BYTES)
+                session.finish()
+                events, err = session.events(), bytes(session.kept[1])
+            except OSError as exc:
+                events, err = {"error": {"message": repr(exc)}}, b""
             finally:
                 if work is not None:
                     subprocess.run(["rm", "-rf", work], check=False)
-            end = next((e for e in events if e.get("event") in ("exit", "error")), {})
-            if end.get("event") == "exit" and end.get("status") == 0:
+            if "error" not in events and events.get("exit", {}).get("status") == 0:
                 return Probe(namespaces, userns, "; ".join(reasons))
-            why = end.get("message") or err.decode(errors="replace").strip()[-300:] or "no report"
+            why = events.get("error", {}).get("message") or err.decode(errors="replace").strip()[-300:] or "no report"
             reasons.append(f"namespaces={namespaces} userns={userns}: {why}")
     return Probe(False, False, "; ".join(reasons))
 
@@ -178,6 +167,7 @@ def _spec_base(
         "cgroup_procs": [],
         "accounting": None,
         "files": {},
+        "wall_seconds": lim.wall_seconds,
     }
 
 
@@ -376,14 +366,14 @@ class Sandbox:
                 spec["accounting"] = {
                     "memory": lim.memory_bytes, "processes": lim.processes, "poll_s": POLL_S[self._namespaces],
                 }  # fmt: skip
-            proc, status_r, chan = _launch(self._python, spec, chan=channel)
+            launched = _launch(self._python, spec, chan=channel)
         except OSError as exc:
             if cgroup is not None:
                 cgroup.close()
             if work is not None:
                 subprocess.run(["rm", "-rf", str(work)], check=False)
             raise SandboxStartError(f"could not start the sandbox: {exc}") from exc
-        return SandboxSession(proc, status_r, chan, lim, self.isolation, cgroup, work, started, max_message_bytes)
+        return SandboxSession(launched, lim, self.isolation, cgroup, work, started, max_message_bytes)
 
     def _populate(self, work: Path, files: dict[str, str]) -> None:
         for name, text in files.items():

@@ -1,6 +1,7 @@
 """One running sandboxed call, seen from the caller: its supervisor process, pipes, cgroup and message channel.
 
-The caller reads stdout, stderr, the supervisor's status lines and the program's channel as they come (each
+The call's supervisor is forked by the zygote (`launcher`), not by the caller, so the call is seen through its
+pipes and its process group rather than a child process. The caller reads stdout, stderr, the supervisor's status lines and the program's channel as they come (each
 stream kept up to its cap and counted beyond it, never buffered whole), writes to the program's channel without
 ever blocking on it, and at the end kills whatever of the call is left (cgroup, process group, PID namespace)
 before it returns the `SandboxResult`. Everything that comes from the program is data: the channel's frames are
@@ -13,16 +14,18 @@ import ast
 import os
 import selectors
 import signal
-import subprocess
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rollverify.environment.cgroups import CallCgroup
 from rollverify.environment.limits import SandboxLimits
 from rollverify.environment.procscan import kill_leftovers
 from rollverify.environment.result import SandboxResult, decode_status
 from rollverify.environment.wire import FrameReader, WireError, frame
+
+if TYPE_CHECKING:
+    from rollverify.environment.sandbox import Launched
 
 READ_CHUNK = 1 << 16
 # Time the caller waits for the pipes to close after the call's processes were killed.
@@ -39,9 +42,7 @@ class SandboxSession:
 
     def __init__(
         self,
-        proc: subprocess.Popen,
-        status_fd: int,
-        chan: tuple[int, int] | None,
+        launched: Launched,
         limits: SandboxLimits,
         isolation: dict[str, str],
         cgroup: CallCgroup | None,
@@ -49,7 +50,7 @@ class SandboxSession:
         started: float,
         max_frame: int,
     ) -> None:
-        self.proc = proc
+        self.pid = launched.pid
         self.limits = limits
         self.isolation = isolation
         self.cgroup = cgroup
@@ -64,14 +65,13 @@ class SandboxSession:
         self.channel_error: str | None = None
         self.sel = selectors.DefaultSelector()
         self._fds: dict[int, int] = {}
-        assert proc.stdout is not None and proc.stderr is not None
-        for which, fd in ((STDOUT, proc.stdout.fileno()), (STDERR, proc.stderr.fileno()), (STATUS, status_fd)):
+        for which, fd in ((STDOUT, launched.stdout), (STDERR, launched.stderr), (STATUS, launched.status)):
             self._watch(fd, which)
         self.chan_in: int | None = None
-        if chan is not None:
-            self.chan_in = chan[0]
+        if launched.chan is not None:
+            self.chan_in = launched.chan[0]
             os.set_blocking(self.chan_in, False)
-            self._watch(chan[1], CHANNEL)
+            self._watch(launched.chan[1], CHANNEL)
         self._result: SandboxResult | None = None
 
     def __enter__(self) -> SandboxSession:
@@ -127,8 +127,7 @@ class SandboxSession:
         if fd in self._fds:
             self.sel.unregister(fd)
             del self._fds[fd]
-            if fd != self.proc.stdout.fileno() and fd != self.proc.stderr.fileno():  # type: ignore[union-attr]
-                os.close(fd)
+            os.close(fd)
 
     def pump(self, until: float) -> bool:
         """Read until every pipe is closed (True) or `until` passes (False)."""
@@ -199,7 +198,7 @@ class SandboxSession:
 
     def kill(self) -> None:
         try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            os.killpg(self.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
         if self.cgroup is not None:
@@ -217,14 +216,10 @@ class SandboxSession:
         for fd in list(self._fds):
             self._unwatch(fd)
         self.sel.close()
-        assert self.proc.stdout is not None and self.proc.stderr is not None
-        self.proc.stdout.close()
-        self.proc.stderr.close()
-        returncode = self.proc.wait()
-        self._result = self._collect(returncode, timed_out, killed_early=kill)
+        self._result = self._collect(timed_out, killed_early=kill)
         return self._result
 
-    def _status(self) -> dict[str, Any]:
+    def events(self) -> dict[str, Any]:
         """The supervisor's events by kind ("start", "limit", "exit", "error"), the first of each kind."""
         events: dict[str, Any] = {}
         for line in self.status_buf.decode(errors="replace").splitlines():
@@ -236,8 +231,8 @@ class SandboxSession:
                 events.setdefault(record["event"], record)
         return events
 
-    def _collect(self, returncode: int, timed_out: bool, killed_early: bool) -> SandboxResult:
-        lim, events = self.limits, self._status()
+    def _collect(self, timed_out: bool, killed_early: bool) -> SandboxResult:
+        lim, events = self.limits, self.events()
         start, end = events.get("start", {}), events.get("exit", {})
         pid_ns = start.get("pid_ns") if self.isolation["pid"] == "namespace" else None
         if pid_ns == os.readlink("/proc/self/ns/pid"):
@@ -253,10 +248,10 @@ class SandboxSession:
             peak = self.cgroup.peak_memory()
             self.cgroup.close()
         else:
-            leftovers = kill_leftovers(self.proc.pid, pid_ns)
+            leftovers = kill_leftovers(self.pid, pid_ns)
         if peak is None and end.get("maxrss_kib") is not None:
             peak = end["maxrss_kib"] * 1024
-        exit_code, killed_by = decode_status(end.get("status"), returncode, timed_out or killed_early)
+        exit_code, killed_by = decode_status(end.get("status"), timed_out or killed_early)
         if self.work is not None:
             _remove_tree(self.work)
         error = events["error"].get("message") if "error" in events else None
@@ -274,7 +269,7 @@ class SandboxSession:
             cpu_seconds=end.get("cpu_seconds"),
             peak_memory_bytes=peak,
             isolation=self.isolation,
-            process_group=self.proc.pid,
+            process_group=self.pid,
             pid_namespace=pid_ns,
             leftovers_killed=leftovers,
             limit_hit=limit_hit,
