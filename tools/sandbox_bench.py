@@ -19,8 +19,11 @@ Parts:
   own figure (its cgroup's peak, where it has one);
 - forkbomb: 8 calls at once, 7 doing 2e6 multiply-adds and one fork bomb: when the 7 are done and how many
   succeeded; and the same 8 without the bomb;
-- cost: wall time of a trivial call (`pass`) and of a trivial code reward (HumanEval/53 with its canonical
-  solution), p50 and p95 of `--calls` each, one after another.
+- cost: wall time of a trivial call (`pass`) and of the code reward of two canonical solutions (HumanEval/0,
+  whose tests are literal asserts, and HumanEval/53, whose test code loops over random inputs), p50 and p95 of
+  `--calls` calls and half as many rewards, one after another; failures are counted. Where cpuacct is its own
+  cgroup v1 hierarchy (these machines), also their CPU seconds per call, caller and sandbox together: that
+  figure does not depend on the machine's load as wall time does.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from rollverify.environment.sandbox import Sandbox
 from rollverify.tasks import get_task
 
 MIB = 1 << 20
+METER: CpuMeter
 WORK = "print(sum(i * i for i in range(2_000_000)))"
 BOMB = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
 CHILDREN = """
@@ -69,6 +73,38 @@ print([os.waitstatus_to_exitcode(os.waitpid(k, 0)[1]) for k in kids])
 
 def load() -> float:
     return round(os.getloadavg()[0], 2)
+
+
+class CpuMeter:
+    """CPU time of this process and everything it starts, from a cgroup v1 cpuacct group of its own (where cpuacct
+    is mounted apart from cpu, so a call's own cpu cgroup does not take its processes out); else unavailable.
+    Load-independent, unlike wall time."""
+
+    ROOT = Path("/sys/fs/cgroup/cpuacct")
+
+    def __init__(self) -> None:
+        self.group: Path | None = None
+        if not (self.ROOT / "cpuacct.usage").exists() or (self.ROOT / "cpu.shares").exists():
+            return
+        for old in self.ROOT.glob("rv-bench-*"):
+            try:
+                old.rmdir()
+            except OSError:
+                pass
+        try:
+            group = self.ROOT / f"rv-bench-{os.getpid()}"
+            group.mkdir()
+            (group / "cgroup.procs").write_text("0")
+            self.group = group
+        except OSError:
+            pass
+
+    def seconds(self) -> float | None:
+        return int((self.group / "cpuacct.usage").read_text()) / 1e9 if self.group is not None else None
+
+    def close(self) -> None:
+        if self.group is not None:
+            (self.ROOT / "cgroup.procs").write_text("0")  # its zygote leaves with it: the folder goes next run
 
 
 def limits(**changes: Any) -> SandboxLimits:
@@ -220,31 +256,47 @@ def _pcts(xs: list[float]) -> dict[str, float]:
 def cost(args: argparse.Namespace) -> dict[str, Any]:
     sandbox = Sandbox()
     sandbox.run("pass")  # warm: the first call of a process probes the machine
+    he = {r["task_id"]: r for r in _humaneval(args.humaneval_data)}
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp, "he53.jsonl")
-        rows = [r for r in _humaneval(args.humaneval_data) if r["task_id"] == "HumanEval/53"]
-        label = {"kind": "humaneval", "test": rows[0]["test"], "entry_point": rows[0]["entry_point"],
-                 "prompt": rows[0]["prompt"]}
-        path.write_text(json.dumps({"prompt": [{"role": "user", "content": "add"}], "ability": "code",
+        path = Path(tmp, "cost.jsonl")
+        rows = []
+        for name, tid in COST_PROBLEMS.items():
+            r = he[tid]
+            label = {"kind": "humaneval", "test": r["test"], "entry_point": r["entry_point"], "prompt": r["prompt"]}
+            rows.append(json.dumps({"prompt": [{"role": "user", "content": name}], "ability": "code",
                                     "reward_model": {"ground_truth": json.dumps(label)},
-                                    "extra_info": {"index": "he53"}}) + "\n")
+                                    "extra_info": {"index": name}}))
+        path.write_text("\n".join(rows) + "\n")
         task = get_task("code", train_path=str(path), eval_path=str(path))
-        ex = task.examples("eval", None)[0]
-        response = f"```python\n{rows[0]['canonical_solution']}\n```"
-        task.score(response, ex.label)
+        labels = {ex.meta["extra_info"]["index"]: ex.label for ex in task.examples("eval", None)}
+        responses = {name: f"```python\n{he[tid]['canonical_solution']}\n```" for name, tid in COST_PROBLEMS.items()}
         runs = []
         for _ in range(args.repeat):
-            calls, rewards = [], []
+            times: dict[str, list[float]] = {"trivial_call": [], **{f"reward_{n}": [] for n in COST_PROBLEMS}}
+            failed: dict[str, int] = dict.fromkeys(times, 0)
+            cpu: dict[str, float | None] = {}
+            c0 = METER.seconds()
             for _ in range(args.calls):
                 t = time.monotonic()
-                assert sandbox.run("pass").ok
-                calls.append(time.monotonic() - t)
-            for _ in range(args.calls // 2):
-                t = time.monotonic()
-                assert task.score(response, ex.label).reward == 1.0
-                rewards.append(time.monotonic() - t)
-            runs.append({"trivial_call": _pcts(calls), "trivial_reward": _pcts(rewards), "load": load()})
-    return {"isolation": sandbox.isolation, "runs": runs}
+                ok = sandbox.run("pass").ok
+                times["trivial_call"].append(time.monotonic() - t)
+                failed["trivial_call"] += not ok
+            cpu["trivial_call"] = _per(c0, METER.seconds(), args.calls)
+            for name in COST_PROBLEMS:
+                c0 = METER.seconds()
+                for _ in range(args.calls // 2):
+                    t = time.monotonic()
+                    ok = task.score(responses[name], labels[name]).reward == 1.0
+                    times[f"reward_{name}"].append(time.monotonic() - t)
+                    failed[f"reward_{name}"] += not ok
+                cpu[f"reward_{name}"] = _per(c0, METER.seconds(), args.calls // 2)
+            runs.append({**{k: _pcts(v) for k, v in times.items()}, "cpu_s_per_call": cpu, "failed": failed,
+                         "load": load()})
+    return {"isolation": sandbox.isolation, "problems": COST_PROBLEMS, "runs": runs}
+
+
+def _per(before: float | None, after: float | None, n: int) -> float | None:
+    return round((after - before) / n, 4) if before is not None and after is not None else None
 
 
 def _humaneval(path: Path) -> list[dict[str, Any]]:
@@ -254,7 +306,10 @@ def _humaneval(path: Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f]
 
 
-PARTS = {"forgery": forgery, "memory": memory, "forkbomb": forkbomb, "cost": cost}
+# cost runs before the fork bomb: after one, an older sandbox's calls can fail a while (leftover processes)
+PARTS = {"forgery": forgery, "cost": cost, "memory": memory, "forkbomb": forkbomb}
+# a problem whose tests are literal asserts (decided by the caller) and one whose test code has a loop (judged)
+COST_PROBLEMS = {"literal": "HumanEval/0", "judged": "HumanEval/53"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -280,14 +335,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import rollverify
 
+    global METER
+    METER = CpuMeter()
     report: dict[str, Any] = {
         "label": args.label, "checkout": str(Path(rollverify.__file__).resolve().parent.parent),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "load_at_start": load()},
     }
-    for name in PARTS if args.part == "all" else [args.part]:
-        print(f"[bench] {name} ...", file=sys.stderr, flush=True)
-        report[name] = PARTS[name](args)
-        out.write_text(json.dumps(report, indent=1))
+    try:
+        for name in PARTS if args.part == "all" else [args.part]:
+            print(f"[bench] {name} ...", file=sys.stderr, flush=True)
+            report[name] = PARTS[name](args)
+            out.write_text(json.dumps(report, indent=1))
+    finally:
+        METER.close()
     print(json.dumps(report, indent=1))
     return 0
 

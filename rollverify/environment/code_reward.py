@@ -50,7 +50,7 @@ class CodeReward:
 
 
 class _Box:
-    """The candidate's sandbox as the trusted side sees it: asked one thing at a time, every answer checked."""
+    """The candidate's sandbox as the trusted side sees it: every answer checked for its id and shape."""
 
     def __init__(self, session: SandboxSession, per_case_s: float) -> None:
         self.session = session
@@ -71,14 +71,17 @@ class _Box:
         if self.broken is None and not self.session.send({"case": index}, self.timeout):
             self._break("the box stopped reading")
 
-    def ask(self, request: dict[str, Any]) -> dict[str, Any] | None:
-        """The box's answer to one request, validated for its id; None (and `broken`) when it has none."""
-        if self.broken is not None:
-            return None
+    def post(self, request: dict[str, Any]) -> int:
+        """Send one request without waiting for its answer (the box answers in order); its id."""
         rid = self.next_id
         self.next_id += 1
-        if not self.session.send({"id": rid, **request}, self.timeout):
+        if self.broken is None and not self.session.send({"id": rid, **request}, self.timeout):
             self._break("the box stopped reading")
+        return rid
+
+    def answer(self, rid: int) -> dict[str, Any] | None:
+        """The box's next answer, which must be to request `rid`; None (and `broken`) when it has none."""
+        if self.broken is not None:
             return None
         reply = self._receive(self.timeout)
         if reply is not None and reply.get("id") != rid:
@@ -88,7 +91,14 @@ class _Box:
 
     def call(self, name: str, method: str | None, args: Any, kwargs: Any) -> tuple[Any, str | None, str | None]:
         """(value, None, None) or (None, error, error type) of one call of the candidate."""
-        reply = self.ask({"call": name, "method": method, "args": args, "kwargs": kwargs})
+        return self.value(self.answer(self.post(self.call_request(name, method, args, kwargs))))
+
+    @staticmethod
+    def call_request(name: str, method: str | None, args: Any, kwargs: Any) -> dict[str, Any]:
+        return {"call": name, "method": method, "args": args, "kwargs": kwargs}
+
+    def value(self, reply: dict[str, Any] | None) -> tuple[Any, str | None, str | None]:
+        """A call's answer read: (value, None, None) or (None, error, error type)."""
         if reply is None:
             return None, f"no answer: {self.broken}", "BoxError"
         try:
@@ -102,9 +112,8 @@ class _Box:
         self._break("the box sent a malformed answer")
         return None, f"no answer: {self.broken}", "BoxError"
 
-    def run_stdin(self, text: str) -> tuple[str | None, str | None]:
-        """(stdout, None) of the program run on `text`, or (None, why not)."""
-        reply = self.ask({"stdin": text})
+    def stdout(self, reply: dict[str, Any] | None) -> tuple[str | None, str | None]:
+        """A stdin run's answer read: (stdout, None), or (None, why not)."""
         if reply is None:
             return None, f"no answer: {self.broken}"
         if set(reply) == {"id", "stdout", "exit", "truncated"} and isinstance(reply["stdout"], str):
@@ -196,27 +205,39 @@ def _finish(
 
 
 def _run_checks(box: _Box, checks: tuple[Check, ...], passed: list[bool], errors: list[str | None]) -> None:
+    """Every call is sent at once (the box answers in order, one case process after another), then read."""
+    posted = []
     for i, check in enumerate(checks):
         if check.call is None:
             passed[i] = check.holds(None)
             errors[i] = None if passed[i] else "AssertionError: the test asserts a false constant"
             continue
         box.case(i)
-        value, error, _ = box.call(check.call, check.method, encode(list(check.args)), encode(check.kwargs))
+        request = box.call_request(check.call, check.method, encode(list(check.args)), encode(check.kwargs))
+        posted.append((i, check, box.post(request)))
+    for i, check, rid in posted:
+        value, error, _ = box.value(box.answer(rid))
         if error is not None:
             errors[i] = error
         elif check.holds(value):
             passed[i] = True
         else:
-            errors[i] = f"AssertionError: {check.call}(...) returned {_short(value)}; the test wants {check.op} " \
-                        f"{_short(check.expected)}" if check.op not in ("truthy", "falsy") else \
-                        f"AssertionError: {check.call}(...) returned {_short(value)}, not {check.op}"
+            errors[i] = f"AssertionError: {_called(check)} returned {_short(value)}; the test wants " + (
+                check.op if check.op in ("truthy", "falsy") else f"{check.op} {_short(check.expected)}")
+
+
+def _called(check: Check) -> str:
+    return f"{check.call}().{check.method}(...)" if check.method else f"{check.call}(...)"
 
 
 def _run_stdio(box: _Box, cases: tuple[tuple[str, str], ...], passed: list[bool], errors: list[str | None]) -> None:
+    """Every input is sent at once (the box runs the program on each in turn), then each output compared."""
+    posted = []
     for i, (stdin, expected) in enumerate(cases):
         box.case(i)
-        out, error = box.run_stdin(stdin)
+        posted.append((i, expected, box.post({"stdin": stdin})))
+    for i, expected, rid in posted:
+        out, error = box.stdout(box.answer(rid))
         if out is None:
             errors[i] = error
             continue

@@ -10,8 +10,9 @@ object naming the tests:
     {"kind": "functional", "func_name": "maxSum", "cases": [[input, output], ...]}   (LiveCodeBench LeetCode)
 
 The reward takes the last fenced code block of the policy's final turn (the whole final turn when there is
-none), runs it with the tests in a fresh sandbox (`code_reward`: each case under its own timer) and scores 1.0
-when every case passes, else 0.0; `partial: true` scores the fraction passed. A HumanEval completion that does not
+none), runs it in a fresh sandbox and decides the tests outside it (`code_reward`: the expected values never
+reach the candidate; each case in its own process under its own timers) and scores 1.0 when every case passes,
+else 0.0; `partial: true` scores the fraction passed. A HumanEval completion that does not
 define its entry point is run after the problem's own prompt (the signature and docstring). Evaluation's pass@k
 counts a response solved at reward 1 (`eval.solved_at`). With `tool: true` the policy may also call the Python
 tool (to run its own checks) in the Qwen3 tool-call format.
