@@ -181,8 +181,9 @@ def test_memory_is_limited_across_all_of_the_calls_processes(limits, check_clean
     assert result.limit_hit == "memory", result
     assert "memory limit of 128 MiB for the whole call" in result.reason() and not result.ok
     assert result.peak_memory_bytes is not None
-    # the polled accounting can overshoot by what is allocated between two polls (20 ms)
-    slack = 0 if result.isolation["limits"].startswith("cgroup") else 64 * MIB
+    # the polled accounting overshoots by what is allocated between two polls (20 ms, later on a loaded machine):
+    # here up to all four children's blocks
+    slack = 0 if result.isolation["limits"].startswith("cgroup") else 128 * MIB
     assert result.peak_memory_bytes <= 128 * MIB + slack, result.peak_memory_bytes / MIB
     print(f"\n{result.isolation['limits']}: 4 x 48 MiB under 128 MiB -> {result.reason()}; "
           f"peak {result.peak_memory_bytes / MIB:.0f} MiB; stdout {result.stdout.strip()!r}")

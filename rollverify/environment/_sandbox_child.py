@@ -2,23 +2,23 @@
 
 The zygote is one small process per caller (started once, as the caller's user: root in CI) that forks a
 supervisor for each call it is sent (the call's spec, a marshalled dict, with its descriptors attached), so a
-call costs no interpreter start and no import for its supervisor. The supervisor starts a session of its own and
-first joins the call's cgroups, so that everything it forks is counted there. With namespaces it then unshares mount, PID,
-network, IPC and UTS namespaces and forks the call's init (PID 1 there), which builds a private root (a tmpfs
-with the host's `host_paths` bound read-only, a few device nodes, its own /proc, /tmp and /dev/shm as sized
-tmpfs), pivots into it and forks the program. The program sets its resource limits, drops to the unprivileged
-user, enters a user namespace of its own (where the kernel counts RLIMIT_NPROC for this call alone), sets
-no-new-privileges and execs the interpreter. Without namespaces the supervisor forks the program itself and
-stays its subreaper.
+call costs no interpreter start and no import for its supervisor. The supervisor starts a session of its own
+and first joins the call's cgroups, so that everything it forks is counted there. With namespaces it then
+unshares mount, PID, network, IPC, UTS and cgroup namespaces and forks the call's init (PID 1 there), which
+builds a private root (a tmpfs with the host's `host_paths` bound read-only, a few device nodes, its own
+/proc, /tmp and /dev/shm as sized tmpfs), pivots into it and forks the program. The program sets its resource
+limits, drops to the unprivileged user, enters a user namespace of its own (where the kernel counts
+RLIMIT_NPROC for this call alone), sets no-new-privileges and execs the interpreter. Without namespaces the
+supervisor forks the program itself and stays its subreaper.
 
-Where the call has no cgroup, the supervisor polls the call's processes (resident memory, tmpfs use, count) and
-kills them all at a limit. It reports events as lines on the status descriptor (each the repr of a dict of plain
-values, read back with ast.literal_eval): "start" (namespace, what it
-got), "limit" (what was exceeded), "exit" (the program's wait status and resource use), "error" (a set-up step
-failed: the program never ran). When init exits the kernel kills every process left in its PID namespace.
+Where the call has no cgroup, the supervisor polls the call's processes (resident memory, tmpfs use, count)
+and kills them all at a limit. It reports events as lines on the status descriptor (each the repr of a dict of
+plain values, read back with ast.literal_eval): "start" (namespace, what it got), "limit" (what was exceeded),
+"exit" (the program's wait status and resource use), "error" (a set-up step failed: the program never ran).
+When init exits the kernel kills every process left in its PID namespace.
 
-Only the standard library of the child interpreter is used: the same file runs under /usr/bin/python3. It imports
-no more than it needs (no json, no site): its start-up is part of every call's cost.
+Only the standard library of the child interpreter is used: the same file runs under /usr/bin/python3. Its
+imports happen once, in the zygote; a call's supervisor is a fork of it.
 """
 
 import ctypes
@@ -35,6 +35,7 @@ PR_SET_DUMPABLE = 4
 PR_SET_CHILD_SUBREAPER = 36
 PR_SET_NO_NEW_PRIVS = 38
 CLONE_NEWNS = 0x00020000
+CLONE_NEWCGROUP = 0x02000000
 CLONE_NEWUTS = 0x04000000
 CLONE_NEWIPC = 0x08000000
 CLONE_NEWUSER = 0x10000000
@@ -349,7 +350,8 @@ def _supervisor(spec):
         _supervise(spec, status_fd, namespaced=False)
         os._exit(0)
     try:
-        _call(_libc.unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS),
+        # after joining the cgroups: the cgroup namespace's root is the call's own cgroup
+        _call(_libc.unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWCGROUP),
               "unshare the call's namespaces")
     except SetupError as exc:
         _report(status_fd, {"event": "error", "message": str(exc)})
