@@ -101,7 +101,7 @@ def test_cases_run_in_their_own_processes_and_stop_alone():
         "    if x == 3:\n        time.sleep(600)\n"
         "    return len(seen)\n"
     )
-    scored = code_reward(program, tests, sandbox, partial=True, per_case_s=0.3)
+    scored = code_reward(program, tests, sandbox, partial=True, per_case_s=1.0)
     assert scored.case_errors[0] is None and scored.case_errors[4] is None  # a fresh process: seen == [x]
     assert "CaseCrash" in scored.case_errors[1] and "CaseTimeout" in scored.case_errors[2]
     assert "CaseTimeout" in scored.case_errors[3]
