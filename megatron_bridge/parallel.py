@@ -81,6 +81,13 @@ def init_parallel(
         cpu_compat.activate()
     else:
         cpu_compat.patch_missing_te()
+    if parallel_state.model_parallel_is_initialized():
+        if dist.is_initialized() and dist.get_world_size() == 1:
+            # Megatron's destroy_model_parallel forgets its gloo groups without destroying them (each keeps its
+            # threads); a one-rank default group is rebuilt in milliseconds, and destroying it ends them all
+            destroy_parallel()
+        else:
+            parallel_state.destroy_model_parallel()
     if not dist.is_initialized():
         rank = int(os.environ.get("RANK", 0)) if rank is None else rank
         world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
@@ -98,8 +105,6 @@ def init_parallel(
             timeout=datetime.timedelta(seconds=timeout_s),
         )
     cfg.check(dist.get_world_size())
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=cfg.tp,
         pipeline_model_parallel_size=cfg.pp,
