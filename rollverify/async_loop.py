@@ -47,12 +47,12 @@ from rollverify.loop import (
     InMemoryWeights,
     Ledger,
     Loop,
-    RolloutConfig,
     StepResult,
     new_logprobs,
     trained_ops,
 )
 from rollverify.losses import grpo_advantages
+from rollverify.rollout import RolloutConfig
 from rollverify.strategies import AlgoConfig, ConditionalSwitch, VerifyOutcome, make_strategy
 from rollverify.types import Group, Response
 

@@ -16,7 +16,7 @@ import pytest
 
 from rollverify.async_loop import AsyncLoop
 from rollverify.buffer import RolloutBuffer
-from rollverify.loop import RolloutConfig
+from rollverify.rollout import RolloutConfig
 from rollverify.sim.async_run import SimCalls
 from rollverify.sim.cost import ClusterSpec, CostModel, ModelSpec
 from rollverify.sim.engine import DriftModel, SimClock, SimEngine, SimTrainer, Workload

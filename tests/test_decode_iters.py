@@ -9,7 +9,8 @@ import pytest
 from engine_fixtures import reset_server, run
 
 from rollverify.app.demo import ratio_interval, verdict
-from rollverify.loop import Loop, RolloutConfig
+from rollverify.loop import Loop
+from rollverify.rollout import RolloutConfig
 from rollverify.strategies import AlgoConfig
 from rollverify.types import Group
 from sglang_ext.rollout_engine import SGLangRolloutEngine

@@ -15,7 +15,8 @@ import pytest
 
 from rollverify.buffer import RolloutBuffer
 from rollverify.interfaces import Chunk
-from rollverify.loop import InMemoryWeights, Loop, RolloutConfig
+from rollverify.loop import InMemoryWeights, Loop
+from rollverify.rollout import RolloutConfig
 from rollverify.strategies import AlgoConfig
 from rollverify.types import Group
 

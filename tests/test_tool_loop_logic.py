@@ -17,7 +17,8 @@ import pytest
 from rollverify.buffer import RolloutBuffer
 from rollverify.environment.tool_calls import TOOL_CALL_CLOSE, format_tool_call
 from rollverify.environment.tools import ToolOutput, ToolRegistry
-from rollverify.loop import Loop, RolloutConfig
+from rollverify.loop import Loop
+from rollverify.rollout import RolloutConfig
 from rollverify.strategies import AlgoConfig
 from rollverify.tool_turns import ToolsConfig, ToolTurns
 from rollverify.types import ENVIRONMENT, POLICY, Group

@@ -20,7 +20,8 @@ from test_loop_logic import ScriptedEngine, ScriptedTrainer
 
 from rollverify.app.config import ConfigError, load_config
 from rollverify.buffer import RolloutBuffer
-from rollverify.loop import Loop, RolloutConfig
+from rollverify.loop import Loop
+from rollverify.rollout import RolloutConfig
 from rollverify.strategies import AlgoConfig
 from rollverify.types import Group
 from sglang_ext.client import ControlError, ServerConnection, SubmitRequest

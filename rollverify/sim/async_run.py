@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from rollverify.async_loop import AsyncLoop
-from rollverify.loop import RolloutConfig
+from rollverify.rollout import RolloutConfig
 from rollverify.sim.cost import CostModel
 from rollverify.sim.engine import SimClock, SimEngine, SimTrainer
 from rollverify.types import Group

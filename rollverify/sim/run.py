@@ -13,7 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from rollverify.loop import Loop, RolloutConfig
+from rollverify.loop import Loop
+from rollverify.rollout import RolloutConfig
 from rollverify.sim.async_run import ASYNC_MODES, simulate_async
 from rollverify.sim.cost import GPUS, ClusterSpec, CostModel, ModelSpec
 from rollverify.sim.engine import DriftModel, SimClock, SimEngine, SimTrainer, ToolModel, Workload
