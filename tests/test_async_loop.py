@@ -16,7 +16,7 @@ import pytest
 
 from rollverify.async_loop import AsyncLoop
 from rollverify.buffer import RolloutBuffer
-from rollverify.rollout import RolloutConfig
+from rollverify.rollout import Rollout, RolloutConfig
 from rollverify.sim.async_run import SimCalls
 from rollverify.sim.cost import ClusterSpec, CostModel, ModelSpec
 from rollverify.sim.engine import DriftModel, SimClock, SimEngine, SimTrainer, Workload
@@ -78,8 +78,8 @@ def make(algo: AlgoConfig | None = None, *, sigma: float = 0.02, steps: int = 10
                         wait_s=0.0)
     algo = algo or AlgoConfig(schedule="async")
     prompt = np.zeros(WORKLOAD.prompt_tokens, np.int32)
-    loop = AsyncLoop(cfg, algo, engine, trainer, lambda g: Group.new(g, prompt, cfg.n, WORKLOAD.max_units),
-                     lambda g, r: float(r.index % 2), calls=SimCalls(clock, engine, trainer))
+    loop = AsyncLoop(algo, Rollout(cfg, engine, trainer, lambda g: Group.new(g, prompt, cfg.n, WORKLOAD.max_units),
+                                   lambda g, r: float(r.index % 2)), calls=SimCalls(clock, engine, trainer))
     return loop, engine, trainer
 
 
@@ -220,7 +220,7 @@ def test_a_checkpoint_with_a_full_queue_resumes_on_fresh_engines(tmp_path):
     loop, engine, trainer = make(algo, sigma=0.3)
     for _ in range(3):
         loop.run_step()
-    loop.feed.await_finished(8)  # the queue fills while the trainer would be busy elsewhere
+    loop.await_finished(8)  # the queue fills while the trainer would be busy elsewhere
     queued = list(loop.buffer.completed)
     assert len(queued) >= 8 and loop.buffer.pending()
     loop.buffer.save(tmp_path / "buffer.npz")

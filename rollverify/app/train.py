@@ -17,7 +17,7 @@ from pathlib import Path
 
 from rollverify.app import rundir
 from rollverify.app.checkpoints import LOOP_FILE, CheckpointStore
-from rollverify.app.config import ConfigError, RunConfig, load_config
+from rollverify.app.config import RunConfig, load_config
 from rollverify.app.console import Progress, quiet_cpu_warnings, say, stage
 from rollverify.app.evaluate import build_evaluator
 from rollverify.app.export import export_dir, export_trainer
@@ -27,6 +27,7 @@ from rollverify.async_loop import AsyncLoop
 from rollverify.buffer import RolloutBuffer
 from rollverify.loop import Loop
 from rollverify.metrics import MetricsWriter
+from rollverify.rollout import Rollout
 from rollverify.tasks import get_task
 from rollverify.tasks.chat import PromptRenderer
 from rollverify.tasks.reward import task_reward
@@ -53,9 +54,6 @@ class Run:
         self.task = get_task(cfg.task.name, **cfg.task.options)
         self.score = task_reward(self.task, cfg.task.reward)
         self.tools = build_tool_turns(cfg, self.task, self.tokenizer)  # None: a single-turn task
-        if self.tools is not None and cfg.algo.schedule == "async":
-            raise ConfigError(f"algo.schedule: async does not run tool turns, and task {cfg.task.name!r} is "
-                              "multi-turn: set algo.schedule=alternating")
         self.render = PromptRenderer(self.tokenizer, getattr(self.task, "chat_template", "auto"), source=self.model_path,
                                      tools=self.tools.schemas() if self.tools else None)
         self.evaluator = build_evaluator(cfg, self.task, self.tokenizer, self.score, self.tools) \
@@ -129,16 +127,15 @@ class Run:
             self.engine.restart_weights(restore=weights.restore)
 
     def _make_loop(self, weights) -> Loop | AsyncLoop:
-        """A fresh loop of the configured schedule over the current engine, trainer and weight sync."""
+        """A fresh schedule of the configured kind over a new `Rollout` of the current engine, trainer and
+        weight sync."""
         from rollverify.app.handoff import MeteredTrainer
 
         cfg = self.cfg
         trainer = MeteredTrainer(self.trainer, self.book, measure=cfg.cluster.gpus_per_node > 0)
-        if cfg.algo.schedule == "async":  # config validation refuses it with tools
-            return AsyncLoop(cfg.rollout, cfg.algo, self.engine, trainer, make_group=self.make_group,
-                             reward=self.reward, weights=weights)
-        return Loop(cfg.rollout, cfg.algo, self.engine, trainer, make_group=self.make_group, reward=self.reward,
-                    weights=weights, tools=self.tools)
+        rollout = Rollout(cfg.rollout, self.engine, trainer, self.make_group, self.reward, weights=weights,
+                          tools=self.tools)
+        return AsyncLoop(cfg.algo, rollout) if cfg.algo.schedule == "async" else Loop(cfg.algo, rollout)
 
     def _start_trainer(self):
         from megatron_bridge.loop_adapter import LoopTrainer
@@ -232,8 +229,7 @@ class Run:
         from rollverify.app.recovery import forget_responses
 
         self.close_trainer()
-        if isinstance(self.loop, AsyncLoop):  # its trainer thread ends with the failed call
-            self.loop.close()
+        self.loop.close()  # the asynchronous schedule's trainer thread ends with the failed call
         if self.tools is not None:  # calls in flight belong to the lost steps' responses
             self.tools.abandon()
         forget_responses(self.engine)  # the servers idle, so that the new ranks start as the first did
@@ -260,8 +256,8 @@ class Run:
         if self.tools is not None:
             self.tools.close()
         try:
-            if isinstance(getattr(self, "loop", None), AsyncLoop):  # a run that failed to start has none
-                self.loop.close()  # the engines paused, its worker thread ended
+            if hasattr(self, "loop"):  # a run that failed to start has none
+                self.loop.close()  # the asynchronous schedule: the engines paused, its worker thread ended
         finally:
             try:
                 self.trainer.close()
