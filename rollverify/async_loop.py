@@ -221,7 +221,8 @@ class AsyncLoop(Schedule):
         stale = np.array([r.staleness(self.version) > self.algo.max_staleness for r in responses], bool)
         keep = outcome.keep_lengths = np.where(stale, 0, outcome.keep_lengths)
         nonempty = outcome.lengths > 0
-        outcome.stats.update(restarted_stale=float(stale.sum()), kept_tokens=float(keep.sum()),
+        kept = sum(int(np.count_nonzero(r.policy_mask[:k])) for r, k in zip(responses, keep.tolist(), strict=True))
+        outcome.stats.update(restarted_stale=float(stale.sum()), kept_tokens=float(kept),  # policy tokens, as verified
                              restarted=float(np.sum(nonempty & (keep == 0))),
                              truncated=float(np.sum((keep > 0) & (keep < outcome.lengths))))
         return outcome
@@ -283,10 +284,10 @@ class AsyncLoop(Schedule):
 
     def _switched(self, outcome: VerifyOutcome) -> bool:
         """One verification round's acceptance into the switch; True when it fires."""
-        verified = int(outcome.lengths.sum())
+        verified = outcome.stats["verified_tokens"]  # policy tokens: environment ones are never verified
         if self.switch is None or not verified:
             return False
-        return self.switch.update(float(outcome.keep_lengths.sum()) / verified)
+        return self.switch.update(outcome.stats["kept_tokens"] / verified)
 
     def _fall_back(self) -> StepResult:
         """The switch fired while a step took its groups: the engines pause, every carried response (the queue's
@@ -360,7 +361,8 @@ def take_metrics(outcomes: list[VerifyOutcome]) -> dict[str, Any]:
         for k in ("responses", "verified_tokens", "kept_tokens", "restarted", "truncated", "restarted_stale"):
             s[k] = s.get(k, 0.0) + float(o.stats.get(k, 0.0))
     whole = np.concatenate([o.keep_lengths == o.lengths for o in outcomes])
-    ops = [(float(o.lengths.sum()), o.stats["ops_mean"]) for o in outcomes if np.isfinite(o.stats.get("ops_mean", np.nan))]
+    ops = [(o.stats["verified_tokens"], o.stats["ops_mean"]) for o in outcomes
+           if np.isfinite(o.stats.get("ops_mean", np.nan))]
     s["acceptance_rate"] = s["kept_tokens"] / s["verified_tokens"] if s["verified_tokens"] else float("nan")
     s["kept_whole_rate"] = float(whole.mean()) if whole.size else float("nan")
     s["ops_mean"] = sum(n * v for n, v in ops) / sum(n for n, _ in ops) if ops else float("nan")
