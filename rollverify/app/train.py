@@ -1,9 +1,14 @@
-"""`rollverify train`: the entry point that wires the loop to real SGLang servers and a Megatron-Core trainer.
+"""`rollverify train`: a run's story, start to end (docs/architecture.md draws its processes and threads).
 
-It reads the config, starts (or connects to) the servers and the trainer, runs `Loop.run_step` for the
-configured steps with evaluation, metrics and checkpoints, and shuts everything down. The wings are imported
-inside functions, so that `rollverify --help` and the config checks start fast: `start_engine` and
-`start_trainer` are how `rollverify eval` and `rollverify export` build theirs too.
+`train` checks the config against its cluster and claims the run folder before anything starts; `Run` starts
+(or connects to) the SGLang servers, then the trainer's ranks, pushes the first weights and builds the schedule
+over the run's `Rollout` (`_make_loop`); a resumed run restores its checkpoint (`Run.restore`); `run_steps`
+runs the steps: each is the schedule's (rollout -> train -> verify -> resync, `Loop.run_step` or
+`AsyncLoop.run_step`), then evaluation, the metrics record, a checkpoint and an export when due, all of it inside
+`Supervisor.recovering` (a trainer fault: new ranks from the last checkpoint, the steps after it redone); `close`
+stops what the run started. The wings are imported inside functions, so that `rollverify --help` and the config
+checks start fast: `start_engine` and `start_trainer` are how `rollverify eval` and `rollverify export` build
+theirs too.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -21,7 +27,7 @@ from rollverify.app.config import RunConfig, load_config
 from rollverify.app.console import Progress, quiet_cpu_warnings, say, stage
 from rollverify.app.evaluate import build_evaluator
 from rollverify.app.export import export_dir, export_trainer
-from rollverify.app.recovery import RunStopped, Supervisor, resume_command
+from rollverify.app.recovery import LEDGER_PREFIX, RunStopped, Supervisor, resume_command
 from rollverify.app.start import build_tool_turns, resolve_model, start_engine, start_trainer
 from rollverify.async_loop import AsyncLoop
 from rollverify.buffer import RolloutBuffer
@@ -165,6 +171,13 @@ class Run:
         text = self.tokenizer.decode(response.token_ids.tolist(), skip_special_tokens=False)
         return float(self.score(group.metadata["prompt"], text, group.metadata["label"]))
 
+    def step(self) -> dict:
+        """One step of the schedule and its record, with the books that audit a run across restarts: the group
+        ids it trained, the ledger whole under ledger/."""
+        result = self.loop.run_step()
+        return {**result.metrics, "trained_groups": [g.group_id for g in result.trained_groups],
+                **{LEDGER_PREFIX + k: v for k, v in asdict(self.loop.ledger).items()}}
+
     def evaluate(self) -> dict[str, float]:
         """avg@k and pass@k of every eval set and `eval_reward`, sampled with the current weights."""
         assert self.evaluator is not None, "eval.every is 0"
@@ -292,11 +305,11 @@ def train(
     quiet_cpu_warnings()
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1) + "\n")
-    run = Run(cfg, out)
+    run = Run(cfg, out)  # servers, trainer ranks, the first weights, the schedule over the run's Rollout
     t_start = time.perf_counter()
     try:
         if resume is not None:
-            run.restore(Path(resume))
+            run.restore(Path(resume))  # the checkpoint's trainer, buffer and loop state; the servers get its policy
         writer = MetricsWriter(
             out,
             cfg.log,
@@ -306,7 +319,7 @@ def train(
         )
         shown = Progress(cfg.trainer.steps, run.loop.step, bar=bar) if progress else None
         supervisor = Supervisor(run, writer, resume_command(out))
-        supervisor.run_steps(shown.update if shown is not None else None)
+        run_steps(run, writer, supervisor, shown.update if shown is not None else None)
         if shown is not None:
             shown.close()
         summary = writer.close(extra={"wall_s": time.perf_counter() - t_start, "ledger": asdict(run.loop.ledger),
@@ -314,6 +327,25 @@ def train(
     finally:
         run.close()
     return summary
+
+
+def run_steps(run: Run, writer: MetricsWriter, supervisor: Supervisor,
+              on_step: Callable[[dict], None] | None = None) -> None:
+    """The run's steps up to `trainer.steps` (see the module docstring); `on_step` gets each step's record."""
+    cfg = run.cfg
+    while run.loop.step < cfg.trainer.steps:
+        with supervisor.recovering():
+            metrics = run.step()  # rollout -> train -> verify -> resync
+            step, last = run.loop.step, run.loop.step == cfg.trainer.steps
+            due = cfg.eval.every and (step % cfg.eval.every == 0 or last)
+            metrics.update(run.evaluate() if due else run.not_evaluated())
+            writer.write(metrics)
+            if cfg.log.checkpoint_every and step % cfg.log.checkpoint_every == 0:
+                supervisor.checkpoint()
+            if (cfg.log.export_every and step % cfg.log.export_every == 0) or (last and cfg.log.export_final):
+                run.export()
+            if on_step is not None:
+                on_step(metrics)
 
 
 DESCRIPTION = """\
