@@ -172,9 +172,12 @@ class AsyncLoop(Schedule):
 
     def await_finished(self, groups: int) -> None:
         """Feed the engines until at least `groups` finished groups wait in the queue."""
+        buffer = self.rollout.buffer
         self.rollout.expect_progress()
-        while self.rollout.buffer.num_finished < groups:
-            self._feed()
+        while buffer.num_finished < groups:
+            if not self._feed() and self.queue_cap <= buffer.num_finished < groups:  # nothing live or launching
+                raise RuntimeError(f"{buffer.num_finished} finished groups wait, {groups} needed, and nothing "
+                                   f"generates: the queue's cap ({self.queue_cap}) is below the step's groups")
 
     # --- 1. take: B groups, every token verified against the step's policy ------------------------------------
 

@@ -57,7 +57,7 @@ class Loop(Schedule):
         r = self.rollout
         t0 = time.perf_counter()
         mode = self.mode
-        rollout = self.rollout_phase()
+        rolled = self.rollout_phase()
         t1 = time.perf_counter()
         groups = r.buffer.pop_finished(self.cfg.batch_groups)
         r.weights.before_training()
@@ -67,7 +67,7 @@ class Loop(Schedule):
         t4 = time.perf_counter()
         metrics = {
             **train_metrics,
-            **rollout,
+            **rolled,
             **verified,
             **r.end_step(groups),
             "mode": mode,
