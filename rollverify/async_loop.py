@@ -111,6 +111,11 @@ class AsyncLoop(Schedule):
         # new groups launch only while fewer finished groups than this wait for the trainer
         self.queue_cap = algo.queue_groups or rollout.cfg.batch_groups
         self.fallback: Loop | None = None  # the alternating loop the switch handed the run to
+        # one record shape for a run (rollverify.metrics): a run that may fall back logs the fallback's keys null
+        # before it does, and the asynchronous steps' keys null after
+        self._fallback_keys = (sorted(Loop(self._fallback_algo(algo.fallback), rollout).record_keys())
+                               if self.switch is not None else [])
+        self._async_keys: list[str] = []
 
     @property
     def mode(self) -> str:
@@ -119,7 +124,7 @@ class AsyncLoop(Schedule):
     def run_step(self) -> StepResult:
         if self.fallback is not None:
             result = self.fallback.run_step()
-            result.metrics["schedule"] = "alternating"
+            result.metrics = {**self._padding(), **result.metrics, "schedule": "alternating"}
             return result
         r = self.rollout
         t0 = time.perf_counter()
@@ -146,7 +151,14 @@ class AsyncLoop(Schedule):
             "trained_tokens": r.ledger.trained_tokens - trained0,
             "take_s": t1 - t0, "train_s": t2 - t1, "publish_s": t3 - t2, "step_s": t3 - t0,
         }
+        if self.switch is not None:
+            metrics = {**dict.fromkeys(self._fallback_keys), "fallback": None, **metrics}
+            self._async_keys = sorted(metrics)
         return StepResult(metrics, groups)
+
+    def _padding(self) -> dict[str, None]:
+        """The keys of the asynchronous steps' records, null, for a fallback step's record."""
+        return {**dict.fromkeys(self._async_keys), "fallback": None, "switch_estimate": None}
 
     # --- feeding the engines while the trainer works -----------------------------------------------------
 
@@ -314,8 +326,9 @@ class AsyncLoop(Schedule):
         mode = self.fallback.mode
         result = self.fallback.run_step()
         assert self.switch is not None
-        result.metrics.update(schedule="alternating", switched=True, switch_reason=self.switch.reason,
-                              switch_estimate=self.switch.estimate, fallback=mode)
+        result.metrics = {**self._padding(), **result.metrics, "schedule": "alternating", "switched": True,
+                          "switch_reason": self.switch.reason, "switch_estimate": self.switch.estimate,
+                          "fallback": mode}
         return result
 
     def _fallback_algo(self, mode: str) -> AlgoConfig:
@@ -329,7 +342,8 @@ class AsyncLoop(Schedule):
         """JSON-able state (the buffer, with the queue and the in-flight responses, and the trainer are saved
         beside it). The engines' output since the last publish is not in it: a restored run regenerates it."""
         if self.fallback is not None:
-            return {**self.fallback.state(), "schedule": "alternating", "fallback_mode": self.fallback.mode}
+            return {**self.fallback.state(), "schedule": "alternating", "fallback_mode": self.fallback.mode,
+                    "async_keys": self._async_keys}
         return {"schedule": "async", **self.rollout.state(),
                 "switch": self.switch.to_state() if self.switch is not None else None}
 
@@ -337,6 +351,7 @@ class AsyncLoop(Schedule):
         if state.get("schedule") == "alternating":  # the run had fallen back
             self.fallback = Loop(self._fallback_algo(state["fallback_mode"]), self.rollout)
             self.fallback.restore(state, buffer)
+            self._async_keys = list(state.get("async_keys", []))
             return
         self.rollout.restore(state, buffer)
         if self.switch is not None and state.get("switch"):

@@ -143,14 +143,8 @@ class Loop(Schedule):
         r = self.rollout
         carried = r.buffer.carried_over()
         stats: dict[str, Any] = {"n_carried": len(carried)}
-        if not carried:  # the strategy's statistics of nothing: the same keys as any step's, counts 0, rates NaN
-            wants_lp = self.strategy.needs_new_logprobs or self.algo.monitor_ops
-            if wants_lp:
-                stats["n_logprobs_on_engine"] = 0
-            if wants_lp and self.algo.verify_on == "engine":
-                stats.update(logprob_wait_s=0.0, n_launched_while_verifying=0)
-            outcome = self.strategy.apply([], [] if wants_lp else None, self.version)
-            return {**stats, **verify_metrics(outcome, TokenCounts(), TokenCounts())}
+        if not carried:
+            return self._verify_nothing(stats)
         outcome, unverified = self._decide(carried, stats)
         cut = r.cut(outcome.decisions)
         shelved_cut = r.shelve()[1] if outcome.switched else TokenCounts()
@@ -161,6 +155,24 @@ class Loop(Schedule):
             tracked = r.engine.response_ids()
             r.engine.release([rid for rid in unverified if rid in tracked])
         return {**stats, **verify_metrics(outcome, cut, shelved_cut)}
+
+    def _verify_nothing(self, stats: dict[str, Any]) -> dict[str, Any]:
+        """The strategy's statistics of nothing: the same keys as any step's, counts 0, rates NaN."""
+        wants_lp = self.strategy.needs_new_logprobs or self.algo.monitor_ops
+        if wants_lp:
+            stats["n_logprobs_on_engine"] = 0
+        if wants_lp and self.algo.verify_on == "engine":
+            stats.update(logprob_wait_s=0.0, n_launched_while_verifying=0)
+        outcome = self.strategy.apply([], [] if wants_lp else None, self.version)
+        return {**stats, **verify_metrics(outcome, TokenCounts(), TokenCounts())}
+
+    def record_keys(self) -> set[str]:
+        """The keys of this schedule's step record but the trainer's and the push's (train/*, sync/*,
+        trained_ops_mean: the same under either schedule): what a run that falls back into it logs, null, before
+        it does (rollverify.metrics' rule: one record shape for a run)."""
+        r = self.rollout
+        return {*r.counts.figures(r.ledger), "n_paused", *self._verify_nothing({"n_carried": 0}), *r.record_keys(),
+                "mode", "rollout_s", "train_s", "verify_s", "sync_s", "step_s"}
 
     def _decide(self, carried: list[Response], stats: dict[str, Any]) -> tuple[VerifyOutcome, list[str] | None]:
         """The strategy's outcome over the carried responses, from their new log-probs where it needs them (or

@@ -448,9 +448,17 @@ class Rollout:
         self.ledger.check(self.buffer)
         self.step += 1
         trained = [r for g in groups for r in g.responses]
+        return self._record(groups, self.tools.step_stats(trained) if self.tools is not None else {})
+
+    def record_keys(self) -> list[str]:
+        """The keys of `end_step`'s record."""
+        return list(self._record([], dict.fromkeys(self.tools.stat_keys()) if self.tools is not None else {}))
+
+    def _record(self, groups: list[Group], tool_stats: dict[str, Any]) -> dict[str, Any]:
+        trained = [r for g in groups for r in g.responses]
         rewards = np.concatenate([g.rewards for g in groups]) if groups else np.zeros(0)
         return {
-            **(self.tools.step_stats(trained) if self.tools is not None else {}),
+            **tool_stats,
             "step": self.step,
             "policy_version": self.version,
             "reward_mean": float(rewards.mean()) if rewards.size else float("nan"),

@@ -188,6 +188,8 @@ def test_low_acceptance_falls_back_with_the_ledger_intact(fallback):
         assert all(r["mode"] == "on_policy" for r in later)
     assert [r["policy_version"] for r in rows] == list(range(1, 7))
     assert loop.ledger is loop.fallback.ledger and loop.ledger.trained == 6 * 4 * 4
+    keys = [sorted(r) for r in rows]  # one record shape for the run, before the switch, at it and after
+    assert all(k == keys[0] for k in keys), [sorted(set(k) ^ set(keys[0])) for k in keys]
     loop.ledger.check(loop.buffer)
 
 

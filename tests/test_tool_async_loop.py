@@ -261,6 +261,7 @@ def test_low_acceptance_hands_the_same_rollout_with_its_tool_turns_to_the_fallba
     assert all(r["schedule"] == "alternating" for r in rows)
     assert [r["policy_version"] for r in rows] == list(range(1, 6))
     assert sum(r["tools/outputs"] for r in rows) > 0 and rollout.ledger.trained_env_tokens > 0
+    assert all(sorted(r) == sorted(rows[0]) for r in rows)  # one record shape for the run
     for g in rollout.buffer.groups.values():
         for r in g.responses:
             check_turns(r, ENV_LEN, 3)
