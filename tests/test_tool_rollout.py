@@ -60,17 +60,44 @@ def run(server, tmp_path, *overrides, steps=2, name="run", resume=None):
     return summary, rows, out
 
 
-def test_multi_turn_run_keeps_both_ledgers_through_pauses_during_calls_and_a_resume(dense, tmp_path):
-    """Calls of a fixed 1 s: the phase ends while some run (a pause during a tool call), they deliver once
-    afterwards; a checkpoint every step holds trajectories mid-way (environment tokens, unfinished) and a resumed
+def test_multi_turn_run_keeps_both_ledgers_through_pauses_during_calls_and_a_resume(dense, tmp_path, monkeypatch):
+    """Calls of a fixed 1 s. In the last step's phase the calls of every group but the B it completes first are
+    held until the phase ends: those in flight then (a pause during a tool call) deliver once afterwards, at the
+    checkpoint's settling, which therefore holds trajectories mid-way (environment tokens, unfinished); a resumed
     run continues them."""
+    from rollverify.loop import Loop
+    from rollverify.tool_turns import ToolTurns
+
+    steps, gate = 3, threading.Event()
+    gate.set()
+    keep: set[int] = set()  # the last phase's groups whose calls run as usual
+    phase, start = Loop.rollout_phase, ToolTurns.start
+
+    def last_phase_holds(self):
+        if self.step == steps - 1:
+            keep.update(self.rollout.first_groups())
+            gate.clear()
+        try:
+            return phase(self)
+        finally:
+            gate.set()
+
+    def gated_start(self, response):
+        start(self, response)
+        if not gate.is_set() and response.group_id not in keep:
+            call = self.pending[response.response_id]
+            call.future = _after(gate, call.future)
+
+    monkeypatch.setattr(Loop, "rollout_phase", last_phase_holds)
+    monkeypatch.setattr(ToolTurns, "start", gated_start)
     summary, rows, out = run(dense, tmp_path, "task.options.latency_median_s=1.0", "task.options.latency_sigma=0.0",
-                             "log.checkpoint_every=1", steps=3)
+                             "log.checkpoint_every=1", steps=steps)
+    monkeypatch.undo()
     ledger = summary["ledger"]
     assert ledger["env_tokens"] > 0 and ledger["trained_env_tokens"] > 0
     assert sum(r["train/tokens"] for r in rows) == ledger["trained_tokens"]  # the loss counted policy tokens only
     assert sum(r["tools/outputs"] for r in rows) > 0 and all(r["tools/timeouts"] == 0 for r in rows)
-    assert any(r["tools/waiting"] > 0 for r in rows), "no phase ended with a call in flight"
+    assert rows[-1]["tools/waiting"] > 0, "no held group called a tool in the last phase"
     assert max(r["tools/turns_max"] for r in rows) >= 2 and any(r["tools/env_token_share"] > 0.2 for r in rows)
     # a well-formed call takes the tool's 1 s (a malformed one runs nothing)
     assert all(r["tools/tool_s_max"] >= 1.0 for r in rows if r["tools/outputs"] > r["tools/malformed"])
@@ -108,6 +135,19 @@ def test_moe_routes_of_environment_positions_replay_at_the_float32_floor(moe, tm
     assert np.isfinite([r["train/loss"] for r in rows]).all()
 
 
+def _after(gate: threading.Event, inner: Future) -> Future:
+    """A future with `inner`'s result that resolves only once `gate` is set."""
+    out: Future = Future()
+    out.set_running_or_notify_cancel()
+
+    def relay() -> None:
+        gate.wait()
+        out.set_result(inner.result())
+
+    threading.Thread(target=relay, daemon=True).start()
+    return out
+
+
 def hold_calls(tools, gate: threading.Event, held: threading.Event) -> None:
     """Calls that start while `gate` is clear run, but their outputs reach the run only once it is set (`held` is
     set when one starts): what is in flight at a given moment is then the test's to fix, not the tool's latency."""
@@ -117,16 +157,8 @@ def hold_calls(tools, gate: threading.Event, held: threading.Event) -> None:
         inner = submit(*args, **kwargs)
         if gate.is_set():
             return inner
-        out: Future = Future()
-        out.set_running_or_notify_cancel()
-
-        def relay() -> None:
-            gate.wait()
-            out.set_result(inner.result())
-
-        threading.Thread(target=relay, daemon=True).start()
         held.set()
-        return out
+        return _after(gate, inner)
 
     tools.runner.submit_turn = gated
 
