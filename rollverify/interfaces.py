@@ -132,7 +132,7 @@ class Trainer(Protocol):
 class WeightSync(Protocol):
     """How a new policy reaches the engine, and (colocated) how the engine and the trainer take turns on the GPUs.
 
-    `InMemoryWeights` (rollverify.loop) pushes the trainer's buckets through the driver; on a cluster
+    `InMemoryWeights` (rollverify.rollout) pushes the trainer's buckets through the driver; on a cluster
     `rollverify.app.weight_transport.TransportWeights` streams them from the trainer's ranks to the servers."""
 
     def before_training(self) -> None:

@@ -1,7 +1,7 @@
 """Config sections: dataclasses whose fields carry their bounds, built from raw YAML values with every key,
 type and bound checked.
 
-Each section belongs to the code that reads it (the loop's `rollverify.loop.RolloutConfig`, the strategies'
+Each section belongs to the code that reads it (the loop's `rollverify.rollout.RolloutConfig`, the strategies'
 `rollverify.strategies.AlgoConfig`, the trainer wing's `megatron_bridge.config.TrainerConfig`, the
 application's own); the application's run config (`rollverify.app.config.RunConfig`) composes them. A bad key
 or value is a `ConfigError` naming the key and what it allows; a section's own cross-field rules are its

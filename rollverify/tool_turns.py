@@ -236,6 +236,13 @@ class ToolTurns:
         """The step's tool statistics (and of the trained trajectories: turns, environment share), whole under
         tools/; resets the step's counters."""
         s, self.stats = self.stats, TurnStats()
+        return self._stats(s, trained)
+
+    def stat_keys(self) -> list[str]:
+        """The keys every `step_stats` has."""
+        return list(self._stats(TurnStats(), ()))
+
+    def _stats(self, s: TurnStats, trained: Sequence[Response]) -> dict[str, float]:
         secs = np.asarray(s.tool_seconds, np.float64)
         turns = np.asarray([r.num_env_runs for r in trained], np.float64)
         env = sum(r.num_env_tokens for r in trained)

@@ -1,7 +1,7 @@
 """`SGLangRolloutEngine`: the loop's `RolloutEngine` over one or several control servers.
 
 The loop's `RolloutBuffer` is the controller's one copy of every response. This engine keeps only what routing
-needs: which server holds which response id. It spreads submitted responses over the servers (a GRPO group stays
+needs: which server holds which response id (each slot's `ServerSlot.rids`, the one record of it). It spreads submitted responses over the servers (a GRPO group stays
 on one server, so its shared prompt hits the prefix cache), fans pause, truncate, resume, drop and weight updates
 out to them, and hands the loop their outputs: each reply's per-token arrays decoded once, each response's
 `Chunk` a view into them.
@@ -85,7 +85,6 @@ class SGLangRolloutEngine:
     ) -> None:
         self.faults: list[dict[str, Any]] = []  # one record per lost server
         self.last_pause: list[dict] = []  # each server's last pause reply body (timings)
-        self.where: dict[str, ServerSlot] = {}  # response id -> the server slot that holds it
         self._lost: list[str] = []  # ids of lost servers the loop has not collected yet
         self._deferred: list[Chunk] = []  # training outputs that arrived while evaluating
         self.pool = ServerPool(endpoints, processes=processes, relaunch=relaunch, curve=curve, timeout_s=timeout_s,
@@ -116,7 +115,7 @@ class SGLangRolloutEngine:
         for s, (batch, body) in self._settle(results).items():
             s.paused = True
             self.last_pause.append(body)
-            chunks += _chunks(batch, s, self.where)
+            chunks += _chunks(batch, s)
             barrier.append(s.feed.wait_seq(body["event_seq"]))
         t1 = time.perf_counter()
         self.pool.run(gather(barrier))
@@ -145,7 +144,6 @@ class SGLangRolloutEngine:
                 self._lost.remove(rid)  # forgotten by the loop before it collected the loss
                 continue
             plan.setdefault(s, []).append(rid)
-            del self.where[rid]
             s.rids.discard(rid)
         self._settle(self.pool.fan({s: s.conn.drop(r) for s, r in plan.items() if s.alive}))
 
@@ -221,7 +219,12 @@ class SGLangRolloutEngine:
 
     def response_ids(self) -> set[str]:
         """Ids on a server, and those of a lost server that `lost()` has not handed out yet."""
-        return set(self.where).union(self._lost)
+        return self._held().union(self._lost)
+
+    @property
+    def where(self) -> dict[str, ServerSlot]:
+        """Response id -> the slot that holds it (a view of the slots' `rids`)."""
+        return {rid: s for s in self.pool.servers for rid in s.rids}
 
     # --- evaluation, queries and lifecycle ---------------------------------------------------------------
 
@@ -312,15 +315,22 @@ class SGLangRolloutEngine:
 
     def _holder(self, rid: str) -> ServerSlot | None:
         """The slot that holds `rid`; None when its server was lost and the loop has not collected it yet."""
-        s = self.where.get(rid)
-        if s is None and rid not in self._lost:
+        for s in self.pool.servers:
+            if rid in s.rids:
+                return s
+        if rid not in self._lost:
             raise KeyError(f"response {rid!r} is not on the rollout engine (never submitted, or dropped)")
-        return s
+        return None
+
+    def _held(self) -> set[str]:
+        """Ids some server holds."""
+        return set().union(*(s.rids for s in self.pool.servers))
 
     def _submit(self, reqs: list[SubmitRequest], sampling: WireSamplingParams) -> None:
         """Whole groups to the least-loaded alive server, all-or-nothing per server; what a lost server did
         not take goes to the others."""
-        dup = [q.rid for q in reqs if q.rid in self.where]
+        held = self._held()
+        dup = [q.rid for q in reqs if q.rid in held]
         if dup:
             raise ValueError(f"response id(s) already on the rollout engine: {dup[:10]}")
         while reqs:
@@ -335,13 +345,11 @@ class SGLangRolloutEngine:
                 load[target] += len(members)
             done = self._settle(self.pool.fan({s: s.conn.submit(qs, sampling) for s, qs in plan.items()}))
             for s in done:
-                for q in plan[s]:
-                    self.where[q.rid] = s
-                    s.rids.add(q.rid)
+                s.rids.update(q.rid for q in plan[s])
             reqs = [q for s, qs in plan.items() if s not in done for q in qs]
 
     def _take_events(self, timeout: float) -> list[Chunk]:
-        return [c for s, batch in self.pool.take_events(timeout) for c in _chunks(batch, s, self.where)]
+        return [c for s, batch in self.pool.take_events(timeout) for c in _chunks(batch, s)]
 
     def _query(self, s: ServerSlot, coro: Coroutine) -> dict:
         if not s.alive:
@@ -360,8 +368,6 @@ class SGLangRolloutEngine:
         lost = self.pool.lost()
         for s in lost:
             held = sorted(s.rids)
-            for rid in held:
-                del self.where[rid]
             s.rids.clear()
             self._lost += held
             new = self.pool.replace(s)
@@ -377,15 +383,15 @@ class SGLangRolloutEngine:
         return bool(lost)
 
 
-def _chunks(batch: OutputBatch, s: ServerSlot, where: dict[str, ServerSlot]) -> list[Chunk]:
-    """One Chunk per entry that `s` still holds (`where`: an event of a dropped response, or of a lost server's
-    slot, is not the loop's any more), as views into the batch's arrays."""
+def _chunks(batch: OutputBatch, s: ServerSlot) -> list[Chunk]:
+    """One Chunk per entry that `s` still holds (an event of a dropped response, or of a lost server's slot, is
+    not the loop's any more), as views into the batch's arrays."""
     versions = batch.versions.astype(np.int64)
     routes = None if batch.routed_experts is None else batch.routed_experts.astype(np.int32)
     bounds, offsets = batch.bounds.tolist(), batch.offsets.tolist()
     chunks = []
     for i, rid in enumerate(batch.rids):
-        if where.get(rid) is not s:
+        if rid not in s.rids:
             continue
         a, b = bounds[i], bounds[i + 1]
         chunks.append(Chunk(rid, batch.token_ids[a:b], batch.logprobs[a:b], versions[a:b],

@@ -127,7 +127,7 @@ def test_a_checkpoint_with_a_full_queue_resumes_with_nothing_lost_or_duplicated(
     try:
         for _ in range(2):
             first.loop.run_step()
-        first.loop.feed.await_finished(3)  # the queue is full: the trainer would be busy elsewhere now
+        first.loop.await_finished(3)  # the queue is full: the trainer would be busy elsewhere now
         queue = list(first.loop.buffer.completed)
         pending = {x.response_id: x.num_tokens for x in first.loop.buffer.pending()}
         ledger = json.dumps(first.loop.state()["ledger"])

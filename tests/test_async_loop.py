@@ -16,7 +16,7 @@ import pytest
 
 from rollverify.async_loop import AsyncLoop
 from rollverify.buffer import RolloutBuffer
-from rollverify.loop import RolloutConfig
+from rollverify.rollout import Rollout, RolloutConfig
 from rollverify.sim.async_run import SimCalls
 from rollverify.sim.cost import ClusterSpec, CostModel, ModelSpec
 from rollverify.sim.engine import DriftModel, SimClock, SimEngine, SimTrainer, Workload
@@ -78,8 +78,8 @@ def make(algo: AlgoConfig | None = None, *, sigma: float = 0.02, steps: int = 10
                         wait_s=0.0)
     algo = algo or AlgoConfig(schedule="async")
     prompt = np.zeros(WORKLOAD.prompt_tokens, np.int32)
-    loop = AsyncLoop(cfg, algo, engine, trainer, lambda g: Group.new(g, prompt, cfg.n, WORKLOAD.max_units),
-                     lambda g, r: float(r.index % 2), calls=SimCalls(clock, engine, trainer))
+    loop = AsyncLoop(algo, Rollout(cfg, engine, trainer, lambda g: Group.new(g, prompt, cfg.n, WORKLOAD.max_units),
+                                   lambda g, r: float(r.index % 2)), calls=SimCalls(clock, engine, trainer))
     return loop, engine, trainer
 
 
@@ -188,6 +188,8 @@ def test_low_acceptance_falls_back_with_the_ledger_intact(fallback):
         assert all(r["mode"] == "on_policy" for r in later)
     assert [r["policy_version"] for r in rows] == list(range(1, 7))
     assert loop.ledger is loop.fallback.ledger and loop.ledger.trained == 6 * 4 * 4
+    keys = [sorted(r) for r in rows]  # one record shape for the run, before the switch, at it and after
+    assert all(k == keys[0] for k in keys), [sorted(set(k) ^ set(keys[0])) for k in keys]
     loop.ledger.check(loop.buffer)
 
 
@@ -220,7 +222,7 @@ def test_a_checkpoint_with_a_full_queue_resumes_on_fresh_engines(tmp_path):
     loop, engine, trainer = make(algo, sigma=0.3)
     for _ in range(3):
         loop.run_step()
-    loop.feed.await_finished(8)  # the queue fills while the trainer would be busy elsewhere
+    loop.await_finished(8)  # the queue fills while the trainer would be busy elsewhere
     queued = list(loop.buffer.completed)
     assert len(queued) >= 8 and loop.buffer.pending()
     loop.buffer.save(tmp_path / "buffer.npz")

@@ -9,7 +9,8 @@ import pytest
 from engine_fixtures import reset_server, run
 
 from rollverify.app.demo import ratio_interval, verdict
-from rollverify.loop import Loop, RolloutConfig
+from rollverify.loop import Loop
+from rollverify.rollout import Rollout, RolloutConfig
 from rollverify.strategies import AlgoConfig
 from rollverify.types import Group
 from sglang_ext.rollout_engine import SGLangRolloutEngine
@@ -20,9 +21,9 @@ pytest_plugins = ["engine_fixtures"]  # the session servers, shared with the oth
 def _loop(engine, mode: str, batch_groups: int, n: int, max_new: int, max_live: int) -> Loop:
     cfg = RolloutConfig(batch_groups=batch_groups, n=n, max_new_tokens=max_new, max_live=max_live, wait_s=0.05,
                      phase_timeout_s=600)
-    return Loop(cfg, AlgoConfig(mode=mode), engine, trainer=None,
-                make_group=lambda gid: Group.new(gid, [5 + gid, 7, 9, 11], n, max_new),
-                reward=lambda group, response: 0.0)
+    return Loop(AlgoConfig(mode=mode), Rollout(cfg, engine, trainer=None,
+                                               make_group=lambda gid: Group.new(gid, [5 + gid, 7, 9, 11], n, max_new),
+                                               reward=lambda group, response: 0.0))
 
 
 @pytest.mark.engine
@@ -31,7 +32,7 @@ def test_a_batch_decodes_in_about_its_longest_response_not_its_token_count(dense
     with SGLangRolloutEngine([dense_server.endpoint], curve=dense_server.curve, poll_wait_s=0.1) as engine:
         # on_policy: 2 groups x 8 responses of up to 40 tokens, launched together, run until all finish
         loop = _loop(engine, "on_policy", batch_groups=2, n=8, max_new=40, max_live=16)
-        m = loop.rollout()
+        m = loop.rollout_phase()
         lengths = [r.num_tokens for g in loop.buffer.groups.values() for r in g.responses]
         assert len(lengths) == 16 and all(g.finished for g in loop.buffer.groups.values())
         assert m["decode_iters"] == max(lengths) <= 40

@@ -207,7 +207,7 @@ def test_a_paper_config_starts_and_runs_every_phase_within_each_gpu(dry_run, nam
     loop.weights.before_training()
     loop.trainer.train_step([], np.zeros(0), 1.0, 1)
     loop.trainer.compute_logprobs([], 1.0)
-    loop.version = 1
+    loop.rollout.version = 1
     loop.weights.push(1)
     wings.restore(wings.addresses[0], 1)  # a restarted server gets the policy while the others generate
     run.save()

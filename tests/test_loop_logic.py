@@ -15,7 +15,8 @@ import pytest
 
 from rollverify.buffer import RolloutBuffer
 from rollverify.interfaces import Chunk
-from rollverify.loop import InMemoryWeights, Loop, RolloutConfig
+from rollverify.loop import Loop
+from rollverify.rollout import InMemoryWeights, Rollout, RolloutConfig
 from rollverify.strategies import AlgoConfig
 from rollverify.types import Group
 
@@ -153,12 +154,9 @@ def make_loop(mode: str, drift: float = 0.0, **algo) -> tuple[Loop, ScriptedEngi
     engine, trainer = ScriptedEngine(), ScriptedTrainer(drift)
     cfg = RolloutConfig(batch_groups=4, n=2, max_new_tokens=64, max_live=24, wait_s=0.0, phase_timeout_s=5)
     loop = Loop(
-        cfg,
         AlgoConfig(mode=mode, **algo),
-        engine,
-        trainer,
-        make_group=lambda gid: Group.new(gid, [3, 4, 5], cfg.n, cfg.max_new_tokens),
-        reward=lambda group, response: float(response.num_tokens % 2),
+        Rollout(cfg, engine, trainer, make_group=lambda gid: Group.new(gid, [3, 4, 5], cfg.n, cfg.max_new_tokens),
+                reward=lambda group, response: float(response.num_tokens % 2)),
     )
     return loop, engine, trainer
 
@@ -228,7 +226,7 @@ def test_the_weight_push_statistics_reach_the_metrics_whole_under_sync():
             return {"bytes": 100.0 * version, "offload/params_bytes": 7.0}
 
     loop, engine, trainer = make_loop("rollverify", drift=0.01)
-    loop.weights = Counted(engine, trainer)
+    loop.rollout.weights = Counted(engine, trainer)
     for step in (1, 2):
         m = loop.run_step().metrics
         assert {k: v for k, v in m.items() if k.startswith("sync/")} == {
@@ -333,10 +331,10 @@ class SeededEngine(ScriptedEngine):
 def test_resume_at_step_k_reaches_the_same_states_as_a_run_that_never_stopped(tmp_path):
     def new_loop() -> Loop:
         cfg = RolloutConfig(batch_groups=4, n=2, max_new_tokens=64, max_live=24, wait_s=0.0, phase_timeout_s=5)
-        return Loop(cfg, AlgoConfig(mode="rollverify", d_s=0.01, switch_window=3), SeededEngine(),
-                    ScriptedTrainer(drift=0.006),
-                    make_group=lambda gid: Group.new(gid, [3, 4, 5 + gid % 5], cfg.n, cfg.max_new_tokens),
-                    reward=lambda group, response: float(response.num_tokens % 2))
+        return Loop(AlgoConfig(mode="rollverify", d_s=0.01, switch_window=3),
+                    Rollout(cfg, SeededEngine(), ScriptedTrainer(drift=0.006),
+                            make_group=lambda gid: Group.new(gid, [3, 4, 5 + gid % 5], cfg.n, cfg.max_new_tokens),
+                            reward=lambda group, response: float(response.num_tokens % 2)))
 
     a = new_loop()
     for _ in range(3):

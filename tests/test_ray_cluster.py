@@ -205,6 +205,7 @@ def test_a_killed_trainer_rank_actor_is_replaced_from_the_checkpoint(ray_cluster
     import ray
 
     from rollverify.app.recovery import Supervisor
+    from rollverify.app.train import run_steps
     from rollverify.metrics import MetricsWriter, load_metrics
 
     cfg = load_config(None, [*SMALL, "trainer.steps=4", "algo.mode=rollverify", "log.checkpoint_every=1",
@@ -225,7 +226,7 @@ def test_a_killed_trainer_rank_actor_is_replaced_from_the_checkpoint(ray_cluster
         writer = MetricsWriter(tmp_path, cfg.log)
         killer = threading.Thread(target=kill_rank_1_in_step_3, daemon=True)
         killer.start()
-        Supervisor(run, writer, "resume").run_steps()
+        run_steps(run, writer, Supervisor(run, writer, "resume"))
         stop.set()
         killer.join()
         writer.close()

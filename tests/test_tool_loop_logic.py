@@ -17,7 +17,8 @@ import pytest
 from rollverify.buffer import RolloutBuffer
 from rollverify.environment.tool_calls import TOOL_CALL_CLOSE, format_tool_call
 from rollverify.environment.tools import ToolOutput, ToolRegistry
-from rollverify.loop import Loop, RolloutConfig
+from rollverify.loop import Loop
+from rollverify.rollout import Rollout, RolloutConfig
 from rollverify.strategies import AlgoConfig
 from rollverify.tool_turns import ToolsConfig, ToolTurns
 from rollverify.types import ENVIRONMENT, POLICY, Group
@@ -115,9 +116,9 @@ def make_tool_loop(mode: str, delay_s: float = 0.0, drift: float = 0.0, max_turn
     cfg = RolloutConfig(batch_groups=4, n=2, max_new_tokens=96, max_live=48, wait_s=0.0, phase_timeout_s=20)
     tools = ToolTurns(ToolsConfig(max_turns=max_turns, time_limit_s=5.0, max_env_tokens=32), ToolRegistry([tool]),
                       WordCodec())
-    loop = Loop(cfg, AlgoConfig(mode=mode, **algo), engine, trainer,
-                make_group=lambda gid: Group.new(gid, [3, 4, 5], cfg.n, cfg.max_new_tokens),
-                reward=lambda group, response: float(response.num_tokens % 2), tools=tools)
+    loop = Loop(AlgoConfig(mode=mode, **algo),
+                Rollout(cfg, engine, trainer, make_group=lambda gid: Group.new(gid, [3, 4, 5], cfg.n, cfg.max_new_tokens),
+                        reward=lambda group, response: float(response.num_tokens % 2), tools=tools))
     return loop, engine, tool
 
 
@@ -284,9 +285,9 @@ def test_hostile_tool_calls_in_a_run_are_error_text_and_the_run_goes_on():
     limits = SandboxLimits(cpu_seconds=1, wall_seconds=4, memory_bytes=128 << 20, stdout_bytes=256)
     tools = ToolTurns(ToolsConfig(max_turns=2, time_limit_s=4.0, max_env_tokens=64, max_concurrent=4),
                       default_registry(limits), HostileCodec())
-    loop = Loop(cfg, AlgoConfig(mode="partial"), engine, trainer,
-                make_group=lambda gid: Group.new(gid, [3, 4, 5], cfg.n, cfg.max_new_tokens),
-                reward=lambda group, response: 0.0, tools=tools)
+    loop = Loop(AlgoConfig(mode="partial"),
+                Rollout(cfg, engine, trainer, make_group=lambda gid: Group.new(gid, [3, 4, 5], cfg.n, cfg.max_new_tokens),
+                        reward=lambda group, response: 0.0, tools=tools))
     errors = outputs = 0
     for _ in range(2):
         m = loop.run_step().metrics  # the ledger of both kinds holds after each

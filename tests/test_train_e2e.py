@@ -223,14 +223,14 @@ def test_engine_side_verification_matches_the_trainer_with_exact_accounting(serv
         forwards = []
         compute = run_.trainer.compute_logprobs
         monkeypatch.setattr(run_.trainer, "compute_logprobs", lambda rs, t: forwards.append(len(rs)) or compute(rs, t))
-        monkeypatch.setattr(run_.loop, "reward", lambda group, response: float(response.index % 2))
+        monkeypatch.setattr(run_.loop.rollout, "reward", lambda group, response: float(response.index % 2))
         rows = [run_.loop.run_step().metrics for _ in range(3)]  # Ledger.check runs inside
         assert [r["policy_version"] for r in rows] == [1, 2, 3]
         assert sum(r["n_carried"] for r in rows) > 0 and forwards == []
         assert all(r["n_logprobs_on_engine"] == r["n_carried"] for r in rows if r["n_carried"])
 
         assert sum(r["n_launched_while_verifying"] for r in rows if r["n_carried"]) > 0  # overlapped the prefill
-        run_.loop.rollout()  # one more phase, ending paused: the carried responses wait, under version 3
+        run_.loop.rollout_phase()  # one more phase, ending paused: the carried responses wait, under version 3
         carried = run_.loop.buffer.carried_over()
         assert sum(r.num_tokens for r in carried) > 0
         on_engine = run_.engine.compute_logprobs(carried)

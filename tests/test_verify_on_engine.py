@@ -20,7 +20,8 @@ from test_loop_logic import ScriptedEngine, ScriptedTrainer
 
 from rollverify.app.config import ConfigError, load_config
 from rollverify.buffer import RolloutBuffer
-from rollverify.loop import Loop, RolloutConfig
+from rollverify.loop import Loop
+from rollverify.rollout import Rollout, RolloutConfig
 from rollverify.strategies import AlgoConfig
 from rollverify.types import Group
 from sglang_ext.client import ControlError, ServerConnection, SubmitRequest
@@ -257,12 +258,10 @@ def _loop(verify_on: str, drift: float = 0.006) -> Loop:
     """test_loop_logic.make_loop's run with the engine and trainer above, verified by the token stage."""
     cfg = RolloutConfig(batch_groups=4, n=2, max_new_tokens=64, max_live=24, wait_s=0.0, phase_timeout_s=5)
     return Loop(
-        cfg,
         AlgoConfig(mode="rollverify", seq_stage=False, conditional_switch=False, verify_on=verify_on),
-        PrefillingScriptedEngine(drift),
-        CountingTrainer(drift),
-        make_group=lambda gid: Group.new(gid, [3, 4, 5], cfg.n, cfg.max_new_tokens),
-        reward=lambda group, response: float(response.num_tokens % 2),
+        Rollout(cfg, PrefillingScriptedEngine(drift), CountingTrainer(drift),
+                make_group=lambda gid: Group.new(gid, [3, 4, 5], cfg.n, cfg.max_new_tokens),
+                reward=lambda group, response: float(response.num_tokens % 2)),
     )
 
 
@@ -288,7 +287,7 @@ def test_engine_mode_pushes_weights_first_overlaps_new_groups_and_cuts_the_engin
 def test_responses_the_engines_do_not_hold_are_verified_on_the_trainer():
     loop = _loop("engine")
     loop.run_step()
-    loop.rollout()  # the next phase, ending paused: what the step's verification finds
+    loop.rollout_phase()  # the next phase, ending paused: what the step's verification finds
     carried = [r.response_id for r in loop.buffer.carried_over()]
     gone = carried[::2]
     loop.engine.drop(gone)  # as after a restore: the engines hold none of these
@@ -333,12 +332,10 @@ def test_a_switch_during_engine_side_verification_drops_the_new_groups_it_does_n
     then on every step completes what it launches, with the exact ledger throughout."""
     cfg = RolloutConfig(batch_groups=4, n=2, max_new_tokens=64, max_live=24, wait_s=0.0, phase_timeout_s=5)
     loop = Loop(
-        cfg,
         AlgoConfig(mode="rollverify", verify_on="engine", switch_window=2, switch_tau=0.5),
-        PrefillingScriptedEngine(5.0),
-        CountingTrainer(5.0),
-        make_group=lambda gid: Group.new(gid, [3, 4, 5], cfg.n, cfg.max_new_tokens),
-        reward=lambda group, response: float(response.num_tokens % 2),
+        Rollout(cfg, PrefillingScriptedEngine(5.0), CountingTrainer(5.0),
+                make_group=lambda gid: Group.new(gid, [3, 4, 5], cfg.n, cfg.max_new_tokens),
+                reward=lambda group, response: float(response.num_tokens % 2)),
     )
     rows = [loop.run_step().metrics for _ in range(8)]  # Ledger.check runs inside
     switch = next(i for i, m in enumerate(rows) if m["switched"])

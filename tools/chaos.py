@@ -402,7 +402,7 @@ class Chaos:
 def audit(out: Path, steps: int, python: str, env: dict, load: bool = True) -> dict:
     """The run folder's books after the run (see the module docstring); `checks` holds each verdict."""
     from rollverify.buffer import RolloutBuffer
-    from rollverify.loop import Ledger
+    from rollverify.rollout import Ledger
 
     rows = read_metrics(out)
     checks: dict[str, bool] = {}

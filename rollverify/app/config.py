@@ -6,7 +6,7 @@ A run is expensive (servers, trainer ranks, minutes to days), so every key is ch
 a value of the wrong type or out of range, or an inconsistent combination (parallel sizes that do not divide,
 an eval larger than the run) is a `ConfigError` that names the key and says what is allowed. A section is the
 dataclass its consumer takes and owns, with its own rules (`check()`): `rollout` is the loop's
-`rollverify.loop.RolloutConfig`, `tools` the tool turns' `rollverify.tool_turns.ToolsConfig`, `algo` the
+`rollverify.rollout.RolloutConfig`, `tools` the tool turns' `rollverify.tool_turns.ToolsConfig`, `algo` the
 strategies' `rollverify.strategies.AlgoConfig`, `trainer` the trainer
 wing's `megatron_bridge.config.TrainerConfig`; the run config composes them with the application's own sections
 and checks the rules that span sections, so the file and the code share one definition and nothing is copied
@@ -26,7 +26,7 @@ import yaml
 
 from megatron_bridge.config import TrainerConfig
 from rollverify.app.recovery import RecoveryConfig
-from rollverify.loop import RolloutConfig
+from rollverify.rollout import RolloutConfig
 from rollverify.sections import ConfigError, bounded, build, coerce, suggest
 from rollverify.strategies import AlgoConfig
 from rollverify.tool_turns import ToolsConfig

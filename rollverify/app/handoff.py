@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from rollverify.app.gpu_memory import SERVER_TAGS, TRAINER_KINDS, MemoryBook
+from rollverify.rollout import InMemoryWeights
 
 if TYPE_CHECKING:
     from rollverify.app.plan import Plan
@@ -223,24 +224,6 @@ class MeteredTrainer:
         return getattr(self.trainer, name)
 
 
-class LocalWeights:
-    """The local launcher's `WeightSync` (the loop's in-memory buckets through this process) with the handoff's
-    bookkeeping: nothing is released, the export's state and bucket are recorded."""
-
-    def __init__(self, engine: Any, trainer: Any, handoff: Handoff) -> None:
-        self.engine, self.trainer, self.handoff = engine, trainer, handoff
-
-    def before_training(self) -> None:
-        self.handoff.before_training()
-
-    def push(self, version: int) -> dict[str, float]:
-        def send() -> dict[str, float]:
-            self.engine.update_weights(self.trainer.export_weights(), version)
-            return {}
-
-        return self.handoff.push(send)
-
-
 # --- the replay `rollverify plan` prints ------------------------------------------------------------------------
 
 
@@ -280,7 +263,7 @@ class _Dry:
 
 def make_weights(cfg: Any, engine: Any, trainer: Any, handoff: Handoff, *, live: Callable[[], list] | None = None):
     """The run's `WeightSync`: the cluster layout's transport (rollverify.app.weight_transport), or the local
-    launcher's in-memory buckets, both in the handoff's order."""
+    launcher's in-memory buckets (`rollverify.rollout.InMemoryWeights`), both in the handoff's order."""
     from rollverify.app.weight_transport import weight_sync_for
 
     c = cfg.cluster
@@ -288,7 +271,7 @@ def make_weights(cfg: Any, engine: Any, trainer: Any, handoff: Handoff, *, live:
                               server_tp=int(cfg.rollout.engine_args.get("tp_size", 1)),
                               trainer_ranks=cfg.trainer.world_size, timeout_s=cfg.rollout.server_timeout_s,
                               handoff=handoff, live=live)
-    return weights if weights is not None else LocalWeights(engine, trainer, handoff)
+    return weights if weights is not None else InMemoryWeights(engine, trainer, handoff)
 
 
 def make_handoff(cfg: Any, book: MemoryBook | NullBook) -> Handoff:

@@ -1,4 +1,5 @@
-"""The run's supervision: the step loop of `rollverify train`, and what it does when something dies under it.
+"""The run's supervision: what `rollverify train` does when something dies under it (its steps are
+`rollverify.app.train.run_steps`, each one inside `Supervisor.recovering`).
 
 * A trainer rank that dies, stalls past `trainer.call_timeout_s` or raises (in any call: the old-log-prob pass
   and the step in `train_step`, the verification forward, the weight push, the checkpoint) reaches the driver as
@@ -21,12 +22,13 @@ trained) and the ledger under `ledger/`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import shlex
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -71,8 +73,8 @@ def forget_responses(engine: Any) -> int:
 
 
 class Supervisor:
-    """Runs `run`'s steps up to `trainer.steps` with its metrics writer, checkpoints and exports, recovering
-    from trainer faults and failed checkpoints as the module docstring says."""
+    """Recovery from trainer faults and failed checkpoints for `run` and its metrics writer, as the module
+    docstring says."""
 
     def __init__(self, run: Any, writer: Any, resume_cmd: str) -> None:
         self.run, self.writer = run, writer
@@ -83,42 +85,23 @@ class Supervisor:
         self.faults_file = Path(run.out) / FAULTS
         self._servers_seen = 0  # the engine's server fault records already written
 
-    # --- the loop -----------------------------------------------------------------------------------------
-
-    def run_steps(self, on_step: Callable[[dict], None] | None = None) -> None:
+    @contextlib.contextmanager
+    def recovering(self) -> Iterator[None]:
+        """A step: a trainer fault anywhere in it restarts the trainer from the last checkpoint (the loop goes on
+        from there, the steps after it redone) or stops the run; the servers the engine lost meanwhile are
+        logged either way."""
         from megatron_bridge.proxy import RankFailure
 
-        steps = self.run.cfg.trainer.steps
-        while self.run.loop.step < steps:
-            try:
-                metrics = self._step()
-            except RankFailure as e:
-                self._restart(e)
-                continue
-            finally:
-                self._server_faults()
-            if on_step is not None:
-                on_step(metrics)
+        try:
+            yield
+        except RankFailure as e:
+            self._restart(e)
+        finally:
+            self._server_faults()
 
-    def _step(self) -> dict:
-        run, cfg = self.run, self.run.cfg
-        result = run.loop.run_step()
-        metrics = result.metrics
-        metrics["trained_groups"] = [g.group_id for g in result.trained_groups]
-        metrics.update({LEDGER_PREFIX + k: v for k, v in asdict(run.loop.ledger).items()})
-        step, last = run.loop.step, run.loop.step == cfg.trainer.steps
-        due = cfg.eval.every and (step % cfg.eval.every == 0 or last)
-        metrics.update(run.evaluate() if due else run.not_evaluated())
-        self.writer.write(metrics)
-        if cfg.log.checkpoint_every and step % cfg.log.checkpoint_every == 0:
-            self._checkpoint()
-        if (cfg.log.export_every and step % cfg.log.export_every == 0) or (last and cfg.log.export_final):
-            run.export()
-        return metrics
-
-    # --- faults -------------------------------------------------------------------------------------------
-
-    def _checkpoint(self) -> None:
+    def checkpoint(self) -> None:
+        """A checkpoint of the current step; one that cannot be written is logged and the run goes on or stops
+        (`recovery.checkpoint_errors`)."""
         t0 = time.perf_counter()
         try:
             self.run.save()

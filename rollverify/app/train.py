@@ -1,9 +1,14 @@
-"""`rollverify train`: the entry point that wires the loop to real SGLang servers and a Megatron-Core trainer.
+"""`rollverify train`: a run's story, start to end (docs/architecture.md draws its processes and threads).
 
-It reads the config, starts (or connects to) the servers and the trainer, runs `Loop.run_step` for the
-configured steps with evaluation, metrics and checkpoints, and shuts everything down. The wings are imported
-inside functions, so that `rollverify --help` and the config checks start fast: `start_engine` and
-`start_trainer` are how `rollverify eval` and `rollverify export` build theirs too.
+`train` checks the config against its cluster and claims the run folder before anything starts; `Run` starts
+(or connects to) the SGLang servers, then the trainer's ranks, pushes the first weights and builds the schedule
+over the run's `Rollout` (`_make_loop`); a resumed run restores its checkpoint (`Run.restore`); `run_steps`
+runs the steps: each is the schedule's (rollout -> train -> verify -> resync, `Loop.run_step` or
+`AsyncLoop.run_step`), then evaluation, the metrics record, a checkpoint and an export when due, all of it inside
+`Supervisor.recovering` (a trainer fault: new ranks from the last checkpoint, the steps after it redone); `close`
+stops what the run started. The wings are imported inside functions, so that `rollverify --help` and the config
+checks start fast: `start_engine` and `start_trainer` are how `rollverify eval` and `rollverify export` build
+theirs too.
 """
 
 from __future__ import annotations
@@ -12,21 +17,23 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
 from rollverify.app import rundir
 from rollverify.app.checkpoints import LOOP_FILE, CheckpointStore
-from rollverify.app.config import ConfigError, RunConfig, load_config
+from rollverify.app.config import RunConfig, load_config
 from rollverify.app.console import Progress, quiet_cpu_warnings, say, stage
 from rollverify.app.evaluate import build_evaluator
 from rollverify.app.export import export_dir, export_trainer
-from rollverify.app.recovery import RunStopped, Supervisor, resume_command
+from rollverify.app.recovery import LEDGER_PREFIX, RunStopped, Supervisor, resume_command
 from rollverify.app.start import build_tool_turns, resolve_model, start_engine, start_trainer
 from rollverify.async_loop import AsyncLoop
 from rollverify.buffer import RolloutBuffer
 from rollverify.loop import Loop
 from rollverify.metrics import MetricsWriter
+from rollverify.rollout import Rollout
 from rollverify.tasks import get_task
 from rollverify.tasks.chat import PromptRenderer
 from rollverify.tasks.reward import task_reward
@@ -53,9 +60,6 @@ class Run:
         self.task = get_task(cfg.task.name, **cfg.task.options)
         self.score = task_reward(self.task, cfg.task.reward)
         self.tools = build_tool_turns(cfg, self.task, self.tokenizer)  # None: a single-turn task
-        if self.tools is not None and cfg.algo.schedule == "async":
-            raise ConfigError(f"algo.schedule: async does not run tool turns, and task {cfg.task.name!r} is "
-                              "multi-turn: set algo.schedule=alternating")
         self.render = PromptRenderer(self.tokenizer, getattr(self.task, "chat_template", "auto"), source=self.model_path,
                                      tools=self.tools.schemas() if self.tools else None)
         self.evaluator = build_evaluator(cfg, self.task, self.tokenizer, self.score, self.tools) \
@@ -129,16 +133,15 @@ class Run:
             self.engine.restart_weights(restore=weights.restore)
 
     def _make_loop(self, weights) -> Loop | AsyncLoop:
-        """A fresh loop of the configured schedule over the current engine, trainer and weight sync."""
+        """A fresh schedule of the configured kind over a new `Rollout` of the current engine, trainer and
+        weight sync."""
         from rollverify.app.handoff import MeteredTrainer
 
         cfg = self.cfg
         trainer = MeteredTrainer(self.trainer, self.book, measure=cfg.cluster.gpus_per_node > 0)
-        if cfg.algo.schedule == "async":  # config validation refuses it with tools
-            return AsyncLoop(cfg.rollout, cfg.algo, self.engine, trainer, make_group=self.make_group,
-                             reward=self.reward, weights=weights)
-        return Loop(cfg.rollout, cfg.algo, self.engine, trainer, make_group=self.make_group, reward=self.reward,
-                    weights=weights, tools=self.tools)
+        rollout = Rollout(cfg.rollout, self.engine, trainer, self.make_group, self.reward, weights=weights,
+                          tools=self.tools)
+        return AsyncLoop(cfg.algo, rollout) if cfg.algo.schedule == "async" else Loop(cfg.algo, rollout)
 
     def _start_trainer(self):
         from megatron_bridge.loop_adapter import LoopTrainer
@@ -167,6 +170,13 @@ class Run:
     def reward(self, group: Group, response: Response) -> float:
         text = self.tokenizer.decode(response.token_ids.tolist(), skip_special_tokens=False)
         return float(self.score(group.metadata["prompt"], text, group.metadata["label"]))
+
+    def step(self) -> dict:
+        """One step of the schedule and its record, with the books that audit a run across restarts: the group
+        ids it trained, the ledger whole under ledger/."""
+        result = self.loop.run_step()
+        return {**result.metrics, "trained_groups": [g.group_id for g in result.trained_groups],
+                **{LEDGER_PREFIX + k: v for k, v in asdict(self.loop.ledger).items()}}
 
     def evaluate(self) -> dict[str, float]:
         """avg@k and pass@k of every eval set and `eval_reward`, sampled with the current weights."""
@@ -232,8 +242,7 @@ class Run:
         from rollverify.app.recovery import forget_responses
 
         self.close_trainer()
-        if isinstance(self.loop, AsyncLoop):  # its trainer thread ends with the failed call
-            self.loop.close()
+        self.loop.close()  # the asynchronous schedule's trainer thread ends with the failed call
         if self.tools is not None:  # calls in flight belong to the lost steps' responses
             self.tools.abandon()
         forget_responses(self.engine)  # the servers idle, so that the new ranks start as the first did
@@ -260,8 +269,8 @@ class Run:
         if self.tools is not None:
             self.tools.close()
         try:
-            if isinstance(getattr(self, "loop", None), AsyncLoop):  # a run that failed to start has none
-                self.loop.close()  # the engines paused, its worker thread ended
+            if hasattr(self, "loop"):  # a run that failed to start has none
+                self.loop.close()  # the asynchronous schedule: the engines paused, its worker thread ended
         finally:
             try:
                 self.trainer.close()
@@ -296,11 +305,11 @@ def train(
     quiet_cpu_warnings()
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1) + "\n")
-    run = Run(cfg, out)
+    run = Run(cfg, out)  # servers, trainer ranks, the first weights, the schedule over the run's Rollout
     t_start = time.perf_counter()
     try:
         if resume is not None:
-            run.restore(Path(resume))
+            run.restore(Path(resume))  # the checkpoint's trainer, buffer and loop state; the servers get its policy
         writer = MetricsWriter(
             out,
             cfg.log,
@@ -310,7 +319,7 @@ def train(
         )
         shown = Progress(cfg.trainer.steps, run.loop.step, bar=bar) if progress else None
         supervisor = Supervisor(run, writer, resume_command(out))
-        supervisor.run_steps(shown.update if shown is not None else None)
+        run_steps(run, writer, supervisor, shown.update if shown is not None else None)
         if shown is not None:
             shown.close()
         summary = writer.close(extra={"wall_s": time.perf_counter() - t_start, "ledger": asdict(run.loop.ledger),
@@ -318,6 +327,25 @@ def train(
     finally:
         run.close()
     return summary
+
+
+def run_steps(run: Run, writer: MetricsWriter, supervisor: Supervisor,
+              on_step: Callable[[dict], None] | None = None) -> None:
+    """The run's steps up to `trainer.steps` (see the module docstring); `on_step` gets each step's record."""
+    cfg = run.cfg
+    while run.loop.step < cfg.trainer.steps:
+        with supervisor.recovering():
+            metrics = run.step()  # rollout -> train -> verify -> resync
+            step, last = run.loop.step, run.loop.step == cfg.trainer.steps
+            due = cfg.eval.every and (step % cfg.eval.every == 0 or last)
+            metrics.update(run.evaluate() if due else run.not_evaluated())
+            writer.write(metrics)
+            if cfg.log.checkpoint_every and step % cfg.log.checkpoint_every == 0:
+                supervisor.checkpoint()
+            if (cfg.log.export_every and step % cfg.log.export_every == 0) or (last and cfg.log.export_final):
+                run.export()
+            if on_step is not None:
+                on_step(metrics)
 
 
 DESCRIPTION = """\

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from rollverify.async_loop import AsyncLoop
-from rollverify.loop import RolloutConfig
+from rollverify.rollout import Rollout, RolloutConfig
 from rollverify.sim.cost import CostModel
 from rollverify.sim.engine import SimClock, SimEngine, SimTrainer
 from rollverify.types import Group
@@ -48,7 +48,7 @@ class _SimPending:
 
 
 class SimCalls:
-    """`rollverify.async_feed.Calls` on the simulated trainer's own GPUs (see the module docstring)."""
+    """`rollverify.async_loop.Calls` on the simulated trainer's own GPUs (see the module docstring)."""
 
     def __init__(self, clock: SimClock, engine: SimEngine, trainer: SimTrainer) -> None:
         self.clock, self.engine, self.trainer = clock, engine, trainer
@@ -102,8 +102,8 @@ def simulate_async(mode: str, context: int, cfg: Any, rollout_gpus: int) -> dict
     staleness = cfg.algo.max_staleness
     algo = replace(cfg.algo, mode=inner, schedule="async", switch_window=window, monitor_ops=False)
     prompt = np.zeros(workload.prompt_tokens, np.int32)
-    loop = AsyncLoop(rollout, algo, engine, trainer, make_group=lambda gid: Group.new(gid, prompt, cfg.n,
-                     workload.max_units), reward=lambda group, response: float(response.index % 2), calls=calls)
+    loop = AsyncLoop(algo, Rollout(rollout, engine, trainer, lambda gid: Group.new(gid, prompt, cfg.n, workload.max_units),
+                                   lambda group, response: float(response.index % 2)), calls=calls)
     steps, accept, switched_at, stale, returned, idle = [], [], None, [], 0, []
     for _ in range(cfg.steps):
         t0, idle0 = clock.now, clock.spent.get("idle", 0.0)

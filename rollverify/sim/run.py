@@ -13,7 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from rollverify.loop import Loop, RolloutConfig
+from rollverify.loop import Loop
+from rollverify.rollout import Rollout, RolloutConfig
 from rollverify.sim.async_run import ASYNC_MODES, simulate_async
 from rollverify.sim.cost import GPUS, ClusterSpec, CostModel, ModelSpec
 from rollverify.sim.engine import DriftModel, SimClock, SimEngine, SimTrainer, ToolModel, Workload
@@ -112,9 +113,9 @@ def simulate(mode: str, context: int, cfg: SimConfig) -> RunResult:
     window = max(2, round(cfg.algo.switch_window * cfg.steps / cfg.paper_steps))
     loop = Loop(
         # partial pays no verification forward: no monitoring OPS either
-        rollout, replace(cfg.algo, mode=mode, switch_window=window, monitor_ops=False), engine, trainer,
-        make_group=lambda gid: Group.new(gid, prompt, cfg.n, workload.max_units),
-        reward=lambda group, response: float(response.index % 2),
+        replace(cfg.algo, mode=mode, switch_window=window, monitor_ops=False),
+        Rollout(rollout, engine, trainer, make_group=lambda gid: Group.new(gid, prompt, cfg.n, workload.max_units),
+                reward=lambda group, response: float(response.index % 2)),
     )
     steps, phases, accept, switched_at, longest = [], [], [], None, []
     for _ in range(cfg.steps):
