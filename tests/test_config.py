@@ -24,7 +24,8 @@ def test_tiny_cpu_config():
     assert cfg.model.task == "countdown"  # auto: warm-start on the synthetic task
     TinyModelSpec(**cfg.model.tiny_spec())
     assert cfg.rollout.max_new_tokens >= 197  # the longest correct countdown response
-    assert (cfg.trainer.eps_low, cfg.trainer.eps_high, cfg.trainer.tis_cap) == (0.2, 0.3, 2.0)
+    assert (cfg.trainer.eps_low, cfg.trainer.eps_high, cfg.trainer.correction.tis_cap) == (0.2, 0.3, 2.0)
+    assert cfg.trainer.correction.method == "tis"
     assert cfg.trainer.world_size == 1 and cfg.trainer.loss_kind == "ppo"
     # every key of the file is a real key with its documented default, except what the CPU default changes
     defaults = RunConfig.from_dict({}).to_dict()
@@ -59,8 +60,8 @@ def test_paper_configs(name):
     r, t, a = cfg.rollout, cfg.trainer, cfg.algo
     assert (r.batch_groups, r.n) == (128, 8)
     assert r.max_new_tokens + 2048 == 32768 == r.engine_args["context_length"]
-    assert t.lr == 1e-6 and (t.eps_low, t.eps_high, t.tis_cap, t.dual_clip_c) == (0.2, 0.3, 2.0, 3.0)
-    assert t.steps == 500 and t.loss == "grpo" and t.use_tis
+    assert t.lr == 1e-6 and (t.eps_low, t.eps_high, t.correction.tis_cap, t.dual_clip_c) == (0.2, 0.3, 2.0, 3.0)
+    assert t.steps == 500 and t.loss == "grpo" and t.correction.method == "tis"
     assert (a.mode, a.d_s, a.d_t, a.switch_window, a.switch_tau) == ("rollverify", 0.01, 2.0, 8, 0.5)
     assert a.seq_stage and a.token_stage and a.conditional_switch
     assert cfg.model.dtype == "bfloat16" and cfg.model.path and cfg.model.task is None
@@ -96,6 +97,11 @@ def test_overrides():
     assert cfg.task.options == {"k_max": 16} and cfg.log.run_name is None and cfg.eval.every == 0
     assert cfg.model.tiny_spec()["hidden_size"] == 128
     assert load_config(None).algo == AlgoConfig()  # no file: all defaults
+    # a nested section: its keys one by one, the rest from the file
+    c = load_config(CONFIGS / "tiny_cpu.yaml", ["trainer.correction.method=mask_offpolicy",
+                                                "trainer.correction.then=icepop", "trainer.correction.icepop_low=0.3"])
+    c = c.trainer.correction
+    assert (c.method, c.then, c.icepop_low, c.icepop_high, c.weighting) == ("mask_offpolicy", "icepop", 0.3, 2.0, "icepop")
     assert parse_override("a.b=[1, 2]") == (["a", "b"], [1, 2])
     assert parse_override("x=") == (["x"], "")
 
@@ -152,6 +158,23 @@ def test_overrides():
         ("seed.x=1", r"override 'seed\.x=1': seed is not a section"),
         ("trainer.steps", r"override 'trainer\.steps': expected key=value"),
         ("trainer..steps=1", r"empty part in key"),
+        ("trainer.correction.method=is", r"trainer\.correction\.method: expected one of none, tis, decoupled, icepop, "
+                                         r"m2po, seq_mis, geo_rs, mask_offpolicy, got 'is'"),
+        ("trainer.correction.icepop_hi=1", r"unknown config key trainer\.correction\.icepop_hi \(did you mean "
+                                           r"'icepop_high'\?\)"),
+        ("trainer.correction.tis_cap=0", r"trainer\.correction\.tis_cap: must be > 0\.0, got 0"),
+        ("trainer.correction=tis", r"trainer\.correction: expected a mapping, got 'tis'"),
+        ("trainer.correction.then=tis", r"trainer\.correction\.then: .* needs trainer\.correction\.method="
+                                        r"mask_offpolicy \(method is tis\)"),
+        # the keys the one setting replaced are refused, naming it
+        ("trainer.use_tis=false", r"trainer\.use_tis: no longer a setting; set trainer\.correction\.method: tis for "
+                                  r"use_tis true, none for false"),
+        ("trainer.stale_correction=icepop", r"trainer\.stale_correction: no longer a setting; set "
+                                            r"trainer\.correction\.method \(one of none, tis,"),
+        ("trainer.mask_offpolicy=true", r"trainer\.mask_offpolicy: no longer a setting; set trainer\.correction\."
+                                        r"method: mask_offpolicy for true, and trainer\.correction\.then"),
+        ("trainer.tis_cap=3", r"trainer\.tis_cap: no longer a setting; set trainer\.correction\.tis_cap"),
+        ("trainer.geo_rs_high=1.1", r"trainer\.geo_rs_high: no longer a setting; set trainer\.correction\.geo_rs_high"),
     ],
 )
 def test_bad_values_name_the_key(override, message):

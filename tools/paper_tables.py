@@ -47,12 +47,12 @@ RUNS: dict[str, list[str]] = {
     "partial_vespo": [*PARTIAL, "trainer.loss=vespo"],
     # the field's stale-token corrections on partial rollout (rollverify.losses.behaviour_correction; SPEC-RL
     # re-scores and cuts carried responses, like RollVerify, with its own rule)
-    "partial_mask_offpolicy": [*PARTIAL, "trainer.mask_offpolicy=true"],
-    "partial_decoupled": [*PARTIAL, "trainer.stale_correction=decoupled"],
-    "partial_icepop": [*PARTIAL, "trainer.stale_correction=icepop"],
-    "partial_m2po": [*PARTIAL, "trainer.stale_correction=m2po"],
-    "partial_seq_mis": [*PARTIAL, "trainer.stale_correction=seq_mis"],
-    "partial_geo_rs": [*PARTIAL, "trainer.stale_correction=geo_rs"],
+    "partial_mask_offpolicy": [*PARTIAL, "trainer.correction.method=mask_offpolicy"],
+    "partial_decoupled": [*PARTIAL, "trainer.correction.method=decoupled"],
+    "partial_icepop": [*PARTIAL, "trainer.correction.method=icepop"],
+    "partial_m2po": [*PARTIAL, "trainer.correction.method=m2po"],
+    "partial_seq_mis": [*PARTIAL, "trainer.correction.method=seq_mis"],
+    "partial_geo_rs": [*PARTIAL, "trainer.correction.method=geo_rs"],
     "spec_rl": ["algo.mode=spec_rl"],
 }
 FIELD = [("partial + slime off-policy mask", "partial_mask_offpolicy"), ("partial + AReaL decoupled PPO", "partial_decoupled"),

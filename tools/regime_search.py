@@ -35,18 +35,18 @@ MODES: dict[str, list[str]] = {
     "rollverify": ["algo.mode=rollverify"],
 }
 # keys that cannot change an on-policy trajectory (it carries nothing over): its run is shared across them
-SHARED_BY_ON_POLICY = ("rollout.max_live", "trainer.use_tis", "trainer.tis_cap")
+SHARED_BY_ON_POLICY = ("rollout.max_live", "trainer.correction.method", "trainer.correction.tis_cap")
 SETTINGS: dict[str, list[str]] = {
     # the tiny default for reference (lr 5e-5, max_live 64, 40 steps)
     "base": [],
     # staleness (8x over-provisioning) and drift (4x lr)
     "lr2e-4_ml256": ["trainer.lr=2e-4", "rollout.max_live=256"],
     # no TIS: the trainer never corrects for the behaviour policy (its old log-probs are its own)
-    "lr2e-4_ml256_notis": ["trainer.lr=2e-4", "rollout.max_live=256", "trainer.use_tis=false"],
+    "lr2e-4_ml256_notis": ["trainer.lr=2e-4", "rollout.max_live=256", "trainer.correction.method=none"],
     "lr5e-4_ml128": ["trainer.lr=5e-4", "rollout.max_live=128"],
-    "lr5e-4_ml256_notis": ["trainer.lr=5e-4", "rollout.max_live=256", "trainer.use_tis=false"],
+    "lr5e-4_ml256_notis": ["trainer.lr=5e-4", "rollout.max_live=256", "trainer.correction.method=none"],
     "lr1e-3_ml256": ["trainer.lr=1e-3", "rollout.max_live=256"],
-    "lr1e-3_ml256_notis": ["trainer.lr=1e-3", "rollout.max_live=256", "trainer.use_tis=false"],
+    "lr1e-3_ml256_notis": ["trainer.lr=1e-3", "rollout.max_live=256", "trainer.correction.method=none"],
     "lr2e-4_ml128_80steps": ["trainer.lr=2e-4", "rollout.max_live=128", "trainer.steps=80"],
 }
 

@@ -80,8 +80,8 @@ paper_args() {  # the arrays both paper jobs share; the job script appends its m
                 rollout.engine_args.context_length=32768)
   ALGO_ARGS=(algo.mode=rollverify algo.d_s=0.01 algo.d_t=2.0 algo.conditional_switch=true algo.switch_window=8
              algo.switch_tau=0.5)
-  TRAINER_ARGS=(trainer.steps=500 trainer.lr=1e-6 trainer.eps_low=0.2 trainer.eps_high=0.3 trainer.use_tis=true
-                trainer.tis_cap=2.0 trainer.sequence_parallel=true)
+  TRAINER_ARGS=(trainer.steps=500 trainer.lr=1e-6 trainer.eps_low=0.2 trainer.eps_high=0.3 trainer.correction.method=tis
+                trainer.correction.tis_cap=2.0 trainer.sequence_parallel=true)
   LOG_ARGS=(eval.every=10 log.checkpoint_every=20)
 }
 
