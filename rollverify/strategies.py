@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -134,14 +134,6 @@ class AlgoConfig:
                 f"partial (the unverified asynchronous baseline, bounded by algo.max_staleness), or "
                 f"algo.schedule=alternating"
             )
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> AlgoConfig:
-        allowed = [f.name for f in fields(cls)]
-        for key in d:
-            if key not in allowed:
-                raise ValueError(f"algo.{key} is not a setting; allowed: {', '.join(allowed)}")
-        return cls(**d)
 
 
 @dataclass

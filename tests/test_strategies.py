@@ -237,9 +237,3 @@ def test_make_strategy_modes():
 def test_config_validation_names_the_key(key, value, match):
     with pytest.raises(ValueError, match=match):
         AlgoConfig(**{key: value})
-
-
-def test_config_from_dict():
-    assert AlgoConfig.from_dict({"mode": "partial", "d_s": INF}).d_s == INF
-    with pytest.raises(ValueError, match="algo.window is not a setting; allowed: mode, d_s"):
-        AlgoConfig.from_dict({"window": 8})

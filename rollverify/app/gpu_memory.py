@@ -88,11 +88,6 @@ class MemoryBook:
         for name in ("context", *SERVER_TAGS):
             self._servers([i], name, True)
 
-    def server_stopped(self, i: int) -> None:
-        for name in ("context", *SERVER_TAGS):
-            self._servers([i], name, False)
-        self.released.pop(i, None)
-
     def servers_released(self, tags: Iterable[str], servers: Iterable[int] | None = None) -> None:
         for i in self._which(servers):
             for tag in tags:
