@@ -1,4 +1,4 @@
-"""What happens to carried-over responses after each optimizer step: one interface, five modes.
+"""What happens to carried-over responses after each optimizer step: one interface, one mode each (`MODES`).
 
   on_policy         no carry-over: the rollout phase waits for every launched group
   partial           carry everything over unverified

@@ -237,3 +237,12 @@ def test_make_strategy_modes():
 def test_config_validation_names_the_key(key, value, match):
     with pytest.raises(ValueError, match=match):
         AlgoConfig(**{key: value})
+
+
+def test_the_module_doc_lists_every_mode():
+    import rollverify.strategies as strategies
+
+    listed = [line.split()[0] for line in strategies.__doc__.splitlines()[2:] if line.startswith("  ") and
+              line.split() and not line.startswith("   ")]
+    assert listed == list(strategies.MODES)
+

@@ -25,6 +25,7 @@ from typing import Any, Literal
 import yaml
 
 from megatron_bridge.config import TrainerConfig
+from rollverify.app.presets import CONFIG_DIR, shipped_configs
 from rollverify.app.recovery import RecoveryConfig
 from rollverify.loop import RolloutConfig
 from rollverify.sections import ConfigError, bounded, build, coerce, suggest
@@ -66,7 +67,7 @@ class ModelConfig:
 class TaskConfig:
     """Where prompts come from and how responses are scored (`rollverify.tasks`)."""
 
-    name: str = "countdown"  # a registered task: countdown, countdown_short, math
+    name: str = "countdown"  # a registered task (rollverify.tasks.task_names(); an unknown name's error lists them)
     options: dict[str, Any] = bounded(factory=dict)  # task arguments, e.g. {train_path: data/dapo.parquet}
     # A reward function instead of the task's own: module:function or path/to/file.py:function, called as
     # fn(prompt, response, label) -> float (rollverify.tasks.reward)
@@ -427,14 +428,6 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...])
             cur = nxt
         cur[path[-1]] = value
     return raw
-
-
-# The configs shipped with the package: rollverify/configs (in a checkout, a link to configs/ at its root).
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
-
-
-def shipped_configs() -> list[str]:
-    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
 
 
 def find_config(name: str | Path) -> Path:
