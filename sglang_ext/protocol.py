@@ -18,14 +18,17 @@ from typing import Annotated, Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from rollverify.types import ENV_VERSION as ENV_VERSION  # the wire's environment-token version is the core's
+
 PROTOCOL_VERSION = 1
 MAX_HEADER_BYTES = 16 << 20
 MAX_HEADER_DEPTH = 16  # nesting of JSON arrays and objects in a header (a submit needs 5)
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # every JSON integer in a header
 INT32_MAX = 2**31 - 1  # weights versions and token counts (they travel as int32 buffers)
-# The version an environment token carries (a tool's output the controller appended: no log-prob, NaN; no policy
-# version); -1 is a submitted prefix token of unknown version.
-ENV_VERSION = -2
+# A token's policy version on the wire: >= 0 the version that sampled it; ENV_VERSION (the core's value,
+# rollverify.types) an environment token (a tool's output the controller appended: log-prob NaN, no policy);
+# UNKNOWN_VERSION a submitted prefix token whose version the client did not say.
+UNKNOWN_VERSION = -1
 MAX_ID_CHARS = 256  # a string request id
 MAX_RID_CHARS = 512  # a response id
 MAX_BUFFER_DIMS = 8
