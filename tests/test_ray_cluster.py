@@ -14,8 +14,8 @@ from __future__ import annotations
 import threading
 
 import pytest
+from e2e_checks import FLOOR, REWARD
 from engine_fixtures import SMALL_RUN
-from test_replay_resume import FLOOR, REWARD
 
 from rollverify.app.config import load_config
 
@@ -246,7 +246,7 @@ def test_a_killed_trainer_rank_actor_is_replaced_from_the_checkpoint(ray_cluster
 def test_async_schedule_over_two_nodes_with_the_distributed_transport(ray_cluster, tmp_path):
     """algo.schedule: async, disaggregated: the Ray run's own transport (trainer rank 0 broadcasts each version
     over a gloo group to both servers) publishes while the servers generate; every trained token verified."""
-    from test_async_e2e import check_verified, watch_trainer
+    from e2e_checks import check_verified, watch_trainer
 
     from rollverify.app.train import Run
     from rollverify.app.weight_transport import TransportWeights

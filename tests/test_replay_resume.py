@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 import pytest
+from e2e_checks import FLOOR, REWARD
 from engine_fixtures import SMALL_RUN, reset_server, run
 
 from rollverify.app.config import load_config
@@ -22,9 +23,6 @@ from rollverify.app.train import resolve_model, train
 pytestmark = [pytest.mark.engine, pytest.mark.megatron]
 pytest_plugins = ["engine_fixtures"]  # the session's tiny MoE server
 
-# float32 engine and trainer agree to ~2e-6 per token (kernels' rounding); stale routes gave 1e-2 .. 2e-1
-FLOOR = 1e-5
-REWARD = f"{Path(__file__).with_name('replay_reward.py')}:score"
 RUN = [
     *SMALL_RUN,
     "model.task=null",

@@ -12,7 +12,7 @@ import torch
 from rollverify.buffer import RolloutBuffer
 from rollverify.strategies import AlgoConfig, RollVerify, make_strategy
 from rollverify.types import ENV_VERSION, ENVIRONMENT, POLICY, Group, Response, VerifyBatch
-from tests.reference_verify import reference_verify_sources
+from rollverify.verify_reference import reference_verify_sources
 
 
 def tool_response(routes: bool = False) -> Response:

@@ -3,7 +3,7 @@
 Compares, in one run on one device:
   verify     rollverify.verify.two_stage_verify on the whole batch
   floor      reading the same input bytes once (a sum over old, new log-probs and versions): the memory floor
-  reference  the per-token Python reference (tests/reference_verify.py), timed on a subsample of whole
+  reference  the per-token Python reference (rollverify/verify_reference.py), timed on a subsample of whole
              responses and extrapolated per token (it is far too slow for the full batch)
 
 Targets: verify <= 3x the floor, and >= 100x faster than the reference. Times are best-of-N wall-clock
@@ -31,10 +31,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from reference_verify import reference_verify  # noqa: E402
-
-from rollverify.verify import two_stage_verify  # noqa: E402
+from rollverify.verify import two_stage_verify
+from rollverify.verify_reference import reference_verify
 
 
 def make_batch(responses: int, mean_len: int, max_len: int, max_segments: int, seed: int):
