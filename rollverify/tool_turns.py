@@ -1,4 +1,4 @@
-"""Tool turns of a multi-turn rollout (issue 28): what the loop calls between the engine and the tool runner.
+"""Tool turns of a multi-turn rollout: what the loop calls between the engine and the tool runner.
 
 A trajectory's policy turn ends where generation stops at the tool-call stop token (`</tool_call>` of the Qwen3
 chat template, one token in Qwen3's vocabulary and the tiny model's). The loop records the turn unfinished and

@@ -94,7 +94,8 @@ DENSE_06B_LAYER = ("model.tiny_overrides={hidden_size: 1024, num_heads: 16, num_
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("shape", "resumed"), [
-    # lr 1e-4: every carried response is cut to its prompt and restarts (the issue's setting, 1.7e-2 .. 2.6e-2)
+    # lr 1e-4: every carried response is cut to its prompt and restarts (stale routes would give a
+    # mismatch of 1.7e-2 .. 2.6e-2 here)
     (("model.moe=true", A3B_LAYER, A3B_SERVE), False),
     # lr 1e-6: carried prefixes survive and resume
     (("model.moe=false", DENSE_06B_LAYER, "trainer.lr=1e-6"), True),

@@ -4,7 +4,8 @@ nothing a client sends leaves a response in a state that only `drop` can clear.
 A seeded generator of hostile frames and op sequences runs against the fake engine for volume and against the
 real SGLang engine (tiny MoE) for a short run; after each batch the server must answer `health`, its stats must
 agree with its cache, every live response must pause and truncate, and the documented happy path must work.
-The six reproducers of issue 15 are regression tests here, the SGLang-killing ones against the real engine.
+Six hostile frames and op sequences that must neither kill nor wedge a server are regression tests here (the
+reproducers); those that reach SGLang run against the real engine.
 """
 
 from __future__ import annotations

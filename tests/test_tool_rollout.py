@@ -1,4 +1,4 @@
-"""Multi-turn tool use end to end (issue 28): `rollverify train` on the tool task with a real SGLang server and
+"""Multi-turn tool use end to end: `rollverify train` on the tool task with a real SGLang server and
 the real Megatron-Core trainer on the tiny models.
 
 The dense model is warm-started on `toolchain` (it calls the tool in the Qwen3 format); the MoE model is left

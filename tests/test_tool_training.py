@@ -1,4 +1,4 @@
-"""The trainer on responses of policy and environment tokens (issue 28): log-probs recomputed over the whole
+"""The trainer on responses of policy and environment tokens: log-probs recomputed over the whole
 sequence, only policy tokens trained (loss mask), TIS, the token-mean denominator and the mismatch figures over
 policy tokens; environment tokens get no gradient."""
 

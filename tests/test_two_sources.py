@@ -1,4 +1,4 @@
-"""Responses of policy and environment tokens (issue 28): every per-token field is cut together, verification
+"""Responses of policy and environment tokens: every per-token field is cut together, verification
 reads policy tokens only, a cut removes the environment tokens after it, and a checkpoint keeps the source."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Trainer/engine log-prob mismatch over weight updates, with and without routing replay (issue 26's table).
+"""Trainer/engine log-prob mismatch over weight updates, with and without routing replay (the table of docs/results.md).
 
     python tools/replay_mismatch.py --out runs/replay_mismatch [--settings tiny_moe a3b_layer ...] [--steps 4]
 
