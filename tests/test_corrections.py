@@ -233,7 +233,7 @@ def test_the_setting_resolves_to_a_weight_a_mask_and_whether_it_reads_the_engine
         assert (c.weighting, c.masks_offpolicy, c.reads_rollout_logprobs) == (then, True, True)
 
 
-def legacy_terms(lp, old, rollout, adv, mask, counts, use_tis, stale, knobs):
+def old_keys_terms(lp, old, rollout, adv, mask, counts, use_tis, stale, knobs):
     """The loss terms as the three old keys computed them (no correction when use_tis is off, else TIS inside the
     loss, else the named correction's weight and mask in place of TIS), from the core functions."""
     from megatron_bridge.policy_loss import _padded
@@ -269,7 +269,7 @@ def test_every_old_combination_keeps_its_loss(use_tis, stale, mask_offpolicy):
         mask = mask & t([1, 1, 0, 1, 1, 1, 0]).bool()  # two carried-over tokens
     got = terms(lp, old, rollout, adv, mask, counts, TrainerConfig(correction=c))
     (g_got,) = torch.autograd.grad(got.loss_sum, lp)
-    ref, count = legacy_terms(lp, old, rollout, adv, mask, counts, use_tis, stale, c)
+    ref, count = old_keys_terms(lp, old, rollout, adv, mask, counts, use_tis, stale, c)
     (g_ref,) = torch.autograd.grad(ref, lp)
     torch.testing.assert_close(got.loss_sum, ref.to(got.loss_sum.dtype))
     torch.testing.assert_close(g_got, g_ref)
