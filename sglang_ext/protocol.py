@@ -30,6 +30,7 @@ INT32_MAX = 2**31 - 1  # weights versions and token counts (they travel as int32
 # UNKNOWN_VERSION a submitted prefix token whose version the client did not say.
 UNKNOWN_VERSION = -1
 MAX_ID_CHARS = 256  # a string request id
+MAX_TYPE_CHARS = 64  # a message type (the longest known is far shorter); a reply echoes it whole or not at all
 MAX_RID_CHARS = 512  # a response id
 MAX_BUFFER_DIMS = 8
 TOP_K_MAX = 1 << 30  # SGLang's own "no top-k" value; anything at or above the vocabulary size is no top-k
@@ -106,7 +107,7 @@ class Header(BaseModel):
     model_config = ConfigDict(extra="forbid")
     proto: int
     id: int | Annotated[str, Field(max_length=MAX_ID_CHARS)] | None = None  # JSON integers are int64
-    type: str | None = None
+    type: Annotated[str, Field(max_length=MAX_TYPE_CHARS)] | None = None
     body: dict[str, Any] = Field(default_factory=dict)
     buffers: list[BufferSpec] = Field(default_factory=list)
     ok: bool | None = None  # replies only
@@ -297,7 +298,7 @@ def decode(frames: Sequence[Any], request: bool = False) -> Message:
         return _decode(obj, frames, request)
     except ProtocolError as e:
         e.req_id = _readable(obj.get("id"), MAX_ID_CHARS, ints=True)
-        e.req_type = _readable(obj.get("type"), 64, ints=False)
+        e.req_type = _readable(obj.get("type"), MAX_TYPE_CHARS, ints=False)
         raise
 
 

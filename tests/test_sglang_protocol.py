@@ -100,6 +100,8 @@ def test_malformed_frames_name_the_problem(frames, code, words):
         (b'{"proto": 1, "id": true, "type": "health"}', "id", None, "health"),
         (b'{"proto": 1, "id": 1.0, "type": "health"}', "id", None, "health"),
         (b'{"proto": 1.0, "id": 4, "type": "health"}', "1.0", 4, "health"),
+        (b'{"proto": 1, "id": 4, "type": "' + b"t" * 65 + b'"}', "at most 64 characters", 4, None),
+        (b'{"proto": 2, "id": 4, "type": "' + b"t" * 65 + b'"}', "not supported", 4, None),
     ],
 )
 def test_header_limits_and_strict_types(head, words, req_id, req_type):
