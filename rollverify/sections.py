@@ -7,7 +7,9 @@ application's own); the application's run config (`rollverify.app.config.RunConf
 whose type is a dataclass is a nested section (a mapping in the file, `a.b.c=value` on the command line). A bad
 key or value is a `ConfigError` naming the key and what it allows; a section's own cross-field rules are its
 `check()`, which raises `ConfigError` too. A section lists the keys it no longer reads in a class attribute
-`RETIRED` ({old key: what replaces it}): a file or override that still sets one is refused with that message.
+`RETIRED` ({old key: what replaces it}): a file or override that still sets one is refused with that message. A
+section that passes keys it does not type on to another program names, in `PASS_THROUGH`, the mapping field that
+collects them.
 """
 
 from __future__ import annotations
@@ -147,10 +149,15 @@ def build(cls: type, raw: dict[str, Any], prefix: str) -> Any:
     hints = typing.get_type_hints(cls)
     flds = {f.name: f for f in fields(cls) if f.init}
     retired: dict[str, str] = getattr(cls, "RETIRED", {})
-    kw = {}
+    pass_through: str | None = getattr(cls, "PASS_THROUGH", None)
+    kw: dict[str, Any] = {}
+    passed: dict[str, Any] = {}
     for key, value in raw.items():
         if key in retired and key not in flds:
             raise ConfigError(f"{prefix}.{key}: no longer a setting; {retired[key]}")
+        if key not in flds and pass_through is not None:
+            passed[key] = value
+            continue
         if key not in flds:
             names = list(flds)
             raise ConfigError(
@@ -160,6 +167,8 @@ def build(cls: type, raw: dict[str, Any], prefix: str) -> Any:
         v = coerce(value, hints[key], name)
         check_bound(name, v, flds[key].metadata)
         kw[key] = v
+    if passed:
+        kw[pass_through] = {**kw.get(pass_through, {}), **passed}
     try:
         return cls(**kw)
     except ConfigError:

@@ -53,7 +53,7 @@ def test_servers_generate_while_the_trainer_trains_with_every_trained_token_veri
     # fewer than B finished groups wait and n responses fit beside the live ones, so at most max_live - n + 2 = 4
     # groups wait untrained at any time, and at most 2 + 4 of the 8 trained groups were launched before version 1
     cfg = load_config(None, [*ASYNC, "trainer.steps=4", "rollout.max_live=4",
-                             f"rollout.endpoints=[\"{tiny_moe.endpoint}\"]"])
+                             f"servers.endpoints=[\"{tiny_moe.endpoint}\"]"])
     (tmp_path / "run").mkdir()
     r = Run(cfg, tmp_path / "run")
     try:
@@ -74,7 +74,7 @@ def test_servers_generate_while_the_trainer_trains_with_every_trained_token_veri
 
 
 def test_a_checkpoint_with_a_full_queue_resumes_with_nothing_lost_or_duplicated(tiny_moe, tmp_path):
-    over = [*ASYNC, "trainer.steps=3", f"rollout.endpoints=[\"{tiny_moe.endpoint}\"]", "algo.queue_groups=3"]
+    over = [*ASYNC, "trainer.steps=3", f"servers.endpoints=[\"{tiny_moe.endpoint}\"]", "algo.queue_groups=3"]
     cfg = load_config(None, over)
     (tmp_path / "a").mkdir()
     first = Run(cfg, tmp_path / "a")
@@ -115,7 +115,7 @@ def test_a_checkpoint_with_a_full_queue_resumes_with_nothing_lost_or_duplicated(
 def test_a_server_killed_mid_run_is_restarted_and_nothing_is_lost(tmp_path):
     """The run's own server (and two trainer ranks in child processes): SIGKILLed while a step's trainer call
     runs and responses are live; the run restarts it with the current policy and resubmits what it held."""
-    cfg = load_config(None, [*ASYNC, "trainer.steps=4", "trainer.dp=2", "rollout.server_timeout_s=600"])
+    cfg = load_config(None, [*ASYNC, "trainer.steps=4", "trainer.dp=2", "servers.timeout_s=600"])
     (tmp_path / "run").mkdir()
     r = Run(cfg, tmp_path / "run")
     try:

@@ -189,7 +189,7 @@ def test_demo_stale_runs_the_shipped_regime_with_the_three_modes(tmp_path, capsy
     assert seen[-1][0] == "tiny_stale" and "trainer.steps=0" in seen[-1][1]
     cfg = load_config("tiny_stale")
     assert (cfg.trainer.lr, cfg.trainer.correction.method, cfg.rollout.max_live,
-            cfg.rollout.engine_args["max_running_requests"]) == (1e-3, "none", 256, 256)
+            cfg.servers.engine_args.max_running_requests) == (1e-3, "none", 256, 256)
     assert not (tmp_path / "d").exists()
 
 

@@ -42,7 +42,7 @@ def _server(*overrides: str):
 
     cpu_compat.activate()
     cfg = load_config(None, [*RUN, *overrides])
-    return launch_server(resolve_model(cfg), engine_args=dict(cfg.rollout.engine_args))
+    return launch_server(resolve_model(cfg), engine_args=dict(cfg.servers.engine_args))
 
 
 @pytest.fixture
@@ -53,7 +53,7 @@ def tiny_moe(moe_server):
 
 
 def run_rows(server, out: Path, *overrides: str, steps: int = 4) -> list[dict]:
-    cfg = load_config(None, [*RUN, f"trainer.steps={steps}", f"rollout.endpoints=[\"{server.endpoint}\"]",
+    cfg = load_config(None, [*RUN, f"trainer.steps={steps}", f"servers.endpoints=[\"{server.endpoint}\"]",
                              *overrides])
     train(cfg, out, progress=False)
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -87,7 +87,7 @@ def test_moe_replay_keeps_the_trainer_on_the_engine_across_resumes(tiny_moe, tmp
 # public per-layer shapes, 2 layers (Qwen3-30B-A3B with 16 of its 128 experts; Qwen3-0.6B), random weights
 A3B_LAYER = ("model.tiny_overrides={hidden_size: 2048, num_heads: 32, num_kv_heads: 4, head_dim: 128, "
              "moe_intermediate_size: 768, intermediate_size: 768, num_experts: 16, top_k: 8}")
-A3B_SERVE = "rollout.engine_args.mem_fraction_static=0.15"  # its 0.8 GB of weights leave no KV cache at 0.05
+A3B_SERVE = "servers.engine_args.mem_fraction_static=0.15"  # its 0.8 GB of weights leave no KV cache at 0.05
 DENSE_06B_LAYER = ("model.tiny_overrides={hidden_size: 1024, num_heads: 16, num_kv_heads: 8, head_dim: 128, "
                    "intermediate_size: 3072}")
 

@@ -34,7 +34,7 @@ def _launch(overrides):
 
     cpu_compat.activate()
     cfg = load_config("tiny_tools", overrides)
-    return launch_server(resolve_model(cfg), engine_args=dict(cfg.rollout.engine_args))
+    return launch_server(resolve_model(cfg), engine_args=dict(cfg.servers.engine_args))
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def moe():
 
 
 def run(server, tmp_path, *overrides, steps=2, name="run", resume=None):
-    cfg = load_config("tiny_tools", [*BASE, f"trainer.steps={steps}", f'rollout.endpoints=["{server.endpoint}"]',
+    cfg = load_config("tiny_tools", [*BASE, f"trainer.steps={steps}", f'servers.endpoints=["{server.endpoint}"]',
                                      *overrides])
     out = tmp_path / name
     summary = train(cfg, out, resume=resume, progress=False)

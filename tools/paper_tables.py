@@ -308,7 +308,7 @@ def run_all(out: Path, names: list[str], seeds: list[int], extra: list[str], log
     base = load_config(config, extra)  # checks --set before anything starts
     cpu_compat.activate()
     out.mkdir(parents=True, exist_ok=True)
-    with launch_server(resolve_model(base), engine_args=dict(base.rollout.engine_args),
+    with launch_server(resolve_model(base), engine_args=base.servers.engine_args.args(),
                        log_path=out / "server.log") as server:
         for name, seed in todo:
             run_dir = out / name / f"s{seed}"
@@ -316,7 +316,7 @@ def run_all(out: Path, names: list[str], seeds: list[int], extra: list[str], log
             print(f"[paper_tables] {name} seed {seed} -> {run_dir}", flush=True)
             try:  # a row the base config refuses (e.g. a correction that needs TIS) is reported like a failed run
                 cfg = load_config(config, [*RUNS[name], *extra, f"seed={seed}",
-                                           f'rollout.endpoints=["{server.endpoint}"]'])
+                                           f'servers.endpoints=["{server.endpoint}"]'])
                 train(cfg, run_dir, progress=False, overwrite=run_dir.exists())
                 log["ran"].append([name, seed, time.perf_counter() - t0])
             except Exception:  # one failed run must not stop the batch: it is reported and rerun next time

@@ -28,7 +28,7 @@ from rollverify.metrics import load_metrics
 
 COMMON = ["log.plots=false", "log.tensorboard=false", "log.checkpoint_every=0", "log.export_final=false",
           "eval.every=0"]
-SERVER = ["rollout.engine_args.max_running_requests=256", "rollout.engine_args.max_total_tokens=65536"]
+SERVER = ["servers.engine_args.max_running_requests=256", "servers.engine_args.max_total_tokens=65536"]
 MODES: dict[str, list[str]] = {
     "on_policy": ["algo.mode=on_policy"],
     "partial": ["algo.mode=partial"],
@@ -135,7 +135,7 @@ def run_all(out: Path, todo: list[tuple[str, str, int]], extra: list[str], log: 
     base = load_config("tiny_cpu", [*COMMON, *SERVER, *extra])
     cpu_compat.activate()
     out.mkdir(parents=True, exist_ok=True)
-    with launch_server(resolve_model(base), engine_args=dict(base.rollout.engine_args),
+    with launch_server(resolve_model(base), engine_args=base.servers.engine_args.args(),
                        log_path=out / "server.log") as server:
         for setting, mode, seed in todo:
             d = run_dir(out, setting, mode, seed)
@@ -143,7 +143,7 @@ def run_all(out: Path, todo: list[tuple[str, str, int]], extra: list[str], log: 
                 continue
             cfg = load_config("tiny_cpu", [*COMMON, *SERVER, *SETTINGS[setting], *MODES[mode], *extra,
                                            f"seed={seed}", f"eval.every={_steps(setting, extra)}",
-                                           f'rollout.endpoints=["{server.endpoint}"]'])
+                                           f'servers.endpoints=["{server.endpoint}"]'])
             t0 = time.perf_counter()
             print(f"[regime] {setting} {mode} seed {seed} -> {d}", flush=True)
             try:

@@ -74,7 +74,7 @@ class Run:
             raise
         try:
             self._serve_restarted_servers(weights)
-            if cfg.rollout.endpoints:
+            if cfg.servers.endpoints:
                 self.engine.update_weights(self.trainer.export_weights(), 0)
         except BaseException:
             self.close()
@@ -107,7 +107,7 @@ class Run:
         """The handoff's server side: the engine's live servers release and resume their memory."""
         from rollverify.app.weight_transport import ServersMemory
 
-        return ServersMemory(engine, self.cfg.rollout.server_timeout_s)
+        return ServersMemory(engine, self.cfg.servers.timeout_s)
 
     def _staged_trainer(self):
         with stage("trainer") as st:
@@ -267,7 +267,7 @@ class Run:
                 self.trainer.close()
             finally:
                 try:
-                    self.engine.close(shutdown=not self.cfg.rollout.endpoints)
+                    self.engine.close(shutdown=not self.cfg.servers.endpoints)
                 finally:
                     self._close_cluster()
 
