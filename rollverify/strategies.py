@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from rollverify.types import Response, VerifyBatch
-from rollverify.verify import VerifyResult, token_ops, two_stage_verify_ops
+from rollverify.verify import D_S, D_T, VerifyResult, token_ops, two_stage_verify_ops
 
 MODES = ("on_policy", "partial", "staleness_filter", "ops_filter", "rollverify", "spec_rl")
 ESTIMATORS = ("window", "ema")
@@ -48,8 +48,8 @@ class AlgoConfig:
     """Algorithm settings (defaults: the paper's)."""
 
     mode: str = "rollverify"
-    d_s: float = 0.01  # sequence-level threshold on a segment's mean OPS
-    d_t: float = 2.0  # token-level threshold
+    d_s: float = D_S  # sequence-level threshold on a segment's mean OPS
+    d_t: float = D_T  # token-level threshold
     seq_stage: bool = True
     token_stage: bool = True
     staleness_s: int = 1  # staleness_filter: restart responses older than this many versions
@@ -319,7 +319,7 @@ class RollVerify(Strategy):
     mode = "rollverify"
     needs_new_logprobs = True
 
-    def __init__(self, d_s: float = 0.01, d_t: float = 2.0, device: str | torch.device = "cpu") -> None:
+    def __init__(self, d_s: float = D_S, d_t: float = D_T, device: str | torch.device = "cpu") -> None:
         super().__init__(device)
         self.d_s, self.d_t = d_s, d_t
 

@@ -246,3 +246,14 @@ def test_the_module_doc_lists_every_mode():
               line.split() and not line.startswith("   ")]
     assert listed == list(strategies.MODES)
 
+
+
+def test_every_threshold_default_is_the_papers_one_constant():
+    import inspect
+
+    from rollverify.verify import D_S, D_T, two_stage_verify, two_stage_verify_ops
+
+    assert (AlgoConfig().d_s, AlgoConfig().d_t) == (D_S, D_T) == (0.01, 2.0)
+    for fn in (RollVerify.__init__, two_stage_verify, two_stage_verify_ops):
+        params = inspect.signature(fn).parameters
+        assert (params["d_s"].default, params["d_t"].default) == (D_S, D_T), fn

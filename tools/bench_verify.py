@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rollverify.verify import two_stage_verify
+from rollverify.verify import D_S, D_T, two_stage_verify
 from rollverify.verify_reference import reference_verify
 
 
@@ -98,8 +98,8 @@ def main() -> None:
     p.add_argument("--mean-len", type=int, default=8192)
     p.add_argument("--max-len", type=int, default=32768)
     p.add_argument("--max-segments", type=int, default=6)
-    p.add_argument("--d-s", type=float, default=0.01)
-    p.add_argument("--d-t", type=float, default=2.0)
+    p.add_argument("--d-s", type=float, default=D_S)
+    p.add_argument("--d-t", type=float, default=D_T)
     p.add_argument("--device", default="cpu")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--ref-tokens", type=int, default=300_000, help="reference subsample size (whole responses)")
