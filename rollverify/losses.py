@@ -37,7 +37,7 @@ from rollverify.sections import ConfigError, bounded, check_bounds
 # lp_rollout the engine's (the behaviour policy), r = exp(lp_old - lp_rollout) per token.
 
 Weighting = Literal["none", "tis", "decoupled", "icepop", "m2po", "seq_mis", "geo_rs"]
-Correction = Literal["none", "tis", "decoupled", "icepop", "m2po", "seq_mis", "geo_rs", "mask_offpolicy"]
+Correction = Literal[Weighting, "mask_offpolicy"]
 CORRECTIONS: tuple[str, ...] = typing.get_args(Correction)
 WEIGHTS: tuple[str, ...] = typing.get_args(Weighting)[1:]  # the methods that weigh by the engine's log-probs
 SEQUENCE_CORRECTIONS = ("seq_mis", "geo_rs")  # they need padded [sequences, tokens] tensors
