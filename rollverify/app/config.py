@@ -8,9 +8,9 @@ an eval larger than the run) is a `ConfigError` that names the key and says what
 dataclass its consumer takes and owns, with its own rules (`check()`): `rollout` is the loop's
 `rollverify.loop.RolloutConfig`, `tools` the tool turns' `rollverify.tool_turns.ToolsConfig`, `algo` the
 strategies' `rollverify.strategies.AlgoConfig`, `servers` the engine wing's `sglang_ext.config.ServersConfig`,
-`trainer` the trainer wing's `megatron_bridge.config.TrainerConfig`; the run config composes them with the application's own sections
-and checks the rules that span sections, so the file and the code share one definition and nothing is copied
-or renamed between them.
+`trainer` the trainer wing's `megatron_bridge.config.TrainerConfig`; the run config composes them with the
+application's own sections and checks the rules that span sections, so the file and the code share one
+definition and nothing is copied or renamed between them.
 """
 
 from __future__ import annotations
