@@ -45,7 +45,7 @@ def served_export(tmp_path_factory):
     finally:
         trainer.close()
     cpu_compat.activate()
-    with launch_server(out, engine_args=dict(cfg.servers.engine_args)) as sp:
+    with launch_server(out, engine_args=cfg.servers.engine_args.args()) as sp:
         yield out, sp
 
 

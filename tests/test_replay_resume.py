@@ -42,7 +42,7 @@ def _server(*overrides: str):
 
     cpu_compat.activate()
     cfg = load_config(None, [*RUN, *overrides])
-    return launch_server(resolve_model(cfg), engine_args=dict(cfg.servers.engine_args))
+    return launch_server(resolve_model(cfg), engine_args=cfg.servers.engine_args.args())
 
 
 @pytest.fixture

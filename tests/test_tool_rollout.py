@@ -34,7 +34,7 @@ def _launch(overrides):
 
     cpu_compat.activate()
     cfg = load_config("tiny_tools", overrides)
-    return launch_server(resolve_model(cfg), engine_args=dict(cfg.servers.engine_args))
+    return launch_server(resolve_model(cfg), engine_args=cfg.servers.engine_args.args())
 
 
 @pytest.fixture(scope="module")

@@ -36,7 +36,7 @@ def server():
     cpu_compat.activate()
     path = resolve_model(load_config(None, SMALL))
     engine_args = load_config(None, SMALL).servers.engine_args
-    with launch_server(path, engine_args=dict(engine_args)) as sp:
+    with launch_server(path, engine_args=engine_args.args()) as sp:
         yield sp
 
 
