@@ -113,7 +113,7 @@ class BatchLayout:
     moe: bool
     replay_train: bool
     replay_verify: bool
-    use_tis: bool
+    weighting: str | None  # the stale-token correction's weight (it reads the engine's log-probs); None: none
     max_seq_len: int
     context_length: int
     vocab_size: int

@@ -3,15 +3,26 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field, fields
+from typing import ClassVar, Literal
 
+from rollverify.losses import CORRECTIONS, CorrectionConfig
 from rollverify.sections import ConfigError, bounded
 
 LossKind = Literal["grpo", "ppo", "gspo", "sapo", "vespo"]
 AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 DecayStyle = Literal["constant", "linear", "cosine"]
-StaleCorrection = Literal["tis", "decoupled", "icepop", "m2po", "seq_mis", "geo_rs"]
+
+_METHOD = "trainer.correction.method"
+_RETIRED_CORRECTION = {
+    "use_tis": f"set {_METHOD}: tis for use_tis true, none for false (one of {', '.join(CORRECTIONS)})",
+    "stale_correction": f"set {_METHOD} (one of {', '.join(CORRECTIONS)}); it weighs by the engine's log-probs "
+                        "by itself, with no use_tis beside it",
+    "mask_offpolicy": f"set {_METHOD}: mask_offpolicy for true, and trainer.correction.then to what weighs the "
+                      "tokens it keeps (none, or tis, decoupled, ...: what use_tis / stale_correction chose)",
+    # the knobs, which sat beside them
+    **{f.name: f"set trainer.correction.{f.name}" for f in fields(CorrectionConfig) if f.name not in ("method", "then")},
+}
 
 
 @dataclass
@@ -38,8 +49,6 @@ class TrainerConfig:
     eps_low: float = bounded(0.2, ge=0.0, lt=1.0)  # decoupled clipping: ratio in [1 - eps_low, 1 + eps_high]
     eps_high: float = bounded(0.3, ge=0.0)
     dual_clip_c: float = bounded(3.0, gt=1.0)  # dual-clip bound for negative advantages; inf: off
-    use_tis: bool = True
-    tis_cap: float = bounded(2.0, gt=0.0)  # truncated importance sampling cap C; inf: untruncated
     gspo_eps_low: float = bounded(3e-4, ge=0.0)
     gspo_eps_high: float = bounded(4e-4, ge=0.0)
     sapo_tau_pos: float = bounded(1.0, gt=0.0)
@@ -48,22 +57,9 @@ class TrainerConfig:
     vespo_c2_pos: float = bounded(3.0, gt=0.0)
     vespo_c1_neg: float = bounded(3.0, ge=0.0)  # and for A < 0
     vespo_c2_neg: float = bounded(2.0, gt=0.0)
-    # the field's stale-token corrections (rollverify.losses.behaviour_correction; each needs use_tis, the
-    # engine's log-probs): tis (the cap above), decoupled (AReaL), icepop (slime), m2po (AReaL), seq_mis and
-    # geo_rs (verl's rollout-correction presets)
-    stale_correction: StaleCorrection = "tis"
-    decoupled_cap: float = bounded(5.0, gt=0.0)  # decoupled, m2po: behaviour weights above it are rejected
-    icepop_low: float = bounded(0.5, ge=0.0)  # icepop: weights outside [low, high] are 0
-    icepop_high: float = bounded(2.0, gt=0.0)
-    m2_threshold: float = bounded(0.04, gt=0.0)  # m2po: mean (log r)^2 of the kept tokens stays below it
-    seq_is_cap: float = bounded(2.0, gt=0.0)  # seq_mis: sequence IS weight cap
-    seq_rs_low: float = bounded(0.5, gt=0.0)  # seq_mis: a sequence stays where low <= prod_t 1/r_t <= high
-    seq_rs_high: float = bounded(2.0, gt=0.0)
-    geo_rs_low: float = bounded(0.999, gt=0.0)  # geo_rs: a sequence stays where its geometric mean of 1/r
-    geo_rs_high: float = bounded(1.001, gt=0.0)  # ... lies in [low, high]
-    # slime's --mask-offpolicy-in-partial-rollout: tokens sampled by an older policy version than the trainer's
-    # leave the loss mask (only the carried-over ones: the rest were sampled by the weights it holds)
-    mask_offpolicy: bool = False
+    # what weighs and masks tokens the engine sampled under another policy than the trainer's: TIS, the field's
+    # corrections, slime's mask of carried-over tokens (rollverify.losses.CorrectionConfig)
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
     tp: int = bounded(1, ge=1)  # tensor parallel
     pp: int = bounded(1, ge=1)  # pipeline parallel
     ep: int = bounded(1, ge=1)  # expert parallel (carved out of tp*dp, as in Megatron-Core)
@@ -85,6 +81,8 @@ class TrainerConfig:
     # null: on where the servers release their memory too (cluster.launcher ray, placement colocated), else off
     offload_between_phases: bool | None = None
 
+    RETIRED: ClassVar[dict[str, str]] = _RETIRED_CORRECTION
+
     def check(self) -> None:
         """The rules between this section's keys (bounds and types are the fields' own); `ConfigError` naming
         the key. The run config calls it when it validates (its `dp` is the run's; a trainer built without a run
@@ -99,12 +97,7 @@ class TrainerConfig:
         if self.optimizer != "adam" and self.use_distributed_optimizer:
             raise ConfigError(f"trainer.optimizer: Megatron-Core's distributed optimizer supports adam only, got "
                               f"{self.optimizer!r}; set trainer.use_distributed_optimizer=false")
-        if self.stale_correction != "tis" and not self.use_tis:
-            raise ConfigError(f"trainer.stale_correction: {self.stale_correction} weighs tokens by the engine's "
-                              "log-probs; set trainer.use_tis=true (or stale_correction=tis)")
-        for lo, hi in (("icepop_low", "icepop_high"), ("seq_rs_low", "seq_rs_high"), ("geo_rs_low", "geo_rs_high")):
-            if getattr(self, lo) > getattr(self, hi):
-                raise ConfigError(f"trainer.{lo}: must be <= trainer.{hi} ({getattr(self, hi)}), got {getattr(self, lo)}")
+        self.correction.check("trainer.correction")
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("trainer.sequence_parallel: needs trainer.tp > 1 (it splits the sequence over TP)")
 

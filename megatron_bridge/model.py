@@ -119,10 +119,6 @@ class ModelArch:
             )
         return ModelArch(**common)
 
-    @property
-    def num_moe_layers(self) -> int:
-        return self.num_layers if self.moe else 0
-
 
 def _yarn_fields(rope: dict, max_positions: int) -> dict:
     """ModelArch's YaRN fields from HF's rope parameters, with transformers' defaults and its attention factor."""

@@ -16,7 +16,7 @@ over micro-batches and ranks exactly.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,20 +62,18 @@ def terms(lp: torch.Tensor, old_lp: torch.Tensor, rollout_lp: torch.Tensor | Non
     n_tok = mask.sum()
     if not counts or n_tok == 0:
         return LossTerms(lp.sum() * 0.0, torch.zeros((), dtype=torch.int), {})
-    rollout = rollout_lp if cfg.use_tis else None
-    corrected = rollout is not None and cfg.stale_correction != "tis"
+    corr = cfg.correction  # slime's mask of older tokens is in `mask` already (`loss_inputs`)
+    weighting = corr.weighting
+    rollout = rollout_lp if weighting is not None else None
+    corrected = weighting not in (None, "tis")  # tis: each loss's own TIS weight, capped at corr.tis_cap
     if kind in ("gspo", "vespo") or mode != "token-mean" or (
-            corrected and cfg.stale_correction in losses.SEQUENCE_CORRECTIONS):  # padded [sequences, tokens]
+            corrected and weighting in losses.SEQUENCE_CORRECTIONS):  # padded [sequences, tokens]
         lp, old_lp, adv, mask = (_padded(x, counts) for x in (lp, old_lp, adv, mask))
         rollout = _padded(rollout, counts) if rollout is not None else None
-    common = dict(rollout_logprobs=rollout, tis_cap=cfg.tis_cap, agg_mode=mode, global_count=1)
+    common = dict(rollout_logprobs=rollout, tis_cap=corr.tis_cap, agg_mode=mode, global_count=1)
     corr_stats: dict[str, torch.Tensor] = {}
     if corrected:  # the correction's weight replaces TIS; its loss mask shrinks the normaliser
-        weight, keep, corr_stats = losses.behaviour_correction(
-            cfg.stale_correction, old_lp, rollout, mask, tis_cap=cfg.tis_cap, decoupled_cap=cfg.decoupled_cap,
-            icepop_low=cfg.icepop_low, icepop_high=cfg.icepop_high, m2_threshold=cfg.m2_threshold,
-            seq_is_cap=cfg.seq_is_cap, seq_rs_low=cfg.seq_rs_low, seq_rs_high=cfg.seq_rs_high,
-            geo_rs_low=cfg.geo_rs_low, geo_rs_high=cfg.geo_rs_high)
+        weight, keep, corr_stats = losses.behaviour_correction(corr, old_lp, rollout, mask)
         mask = mask.bool() & keep
         common["behaviour_weight"] = weight
     if kind == "ppo":
@@ -102,12 +100,13 @@ def terms(lp: torch.Tensor, old_lp: torch.Tensor, rollout_lp: torch.Tensor | Non
     return LossTerms(total, count.to(torch.int), stats)
 
 
-def loss_inputs(seqs: list[TrainSequence], mb: MicroBatch, old: list[np.ndarray], use_tis: bool,
+def loss_inputs(seqs: list[TrainSequence], mb: MicroBatch, old: list[np.ndarray], rollout_logprobs: bool,
                 mask_older_than: int | None = None) -> dict:
     """The per-token inputs of `mb`'s loss, flat over its generated tokens: advantages (a scalar broadcast
-    over its sequence), loss mask, old log-probs (`old[i]` of batch sequence i) and, with `use_tis`, the
-    engine's log-probs. `mask_older_than` (slime's --mask-offpolicy-in-partial-rollout, `offpolicy_mask`):
-    tokens sampled by an older policy version than this one leave the loss mask."""
+    over its sequence), loss mask, old log-probs (`old[i]` of batch sequence i) and, with `rollout_logprobs`
+    (the correction reads them), the engine's log-probs. `mask_older_than` (slime's
+    --mask-offpolicy-in-partial-rollout, `offpolicy_mask`): tokens sampled by an older policy version than this
+    one leave the loss mask."""
     adv, mask, rollout, o = [], [], [], []
     for i in mb.seq_index:
         s = seqs[i]
@@ -121,7 +120,18 @@ def loss_inputs(seqs: list[TrainSequence], mb: MicroBatch, old: list[np.ndarray]
         o.append(old[i])
     cat = (lambda xs: torch.from_numpy(np.concatenate(xs).astype(np.float32))) if mb.seq_index else \
         (lambda xs: torch.zeros(0))
-    return {"adv": cat(adv), "mask": cat(mask), "old": cat(o), "rollout": cat(rollout) if use_tis else None}
+    return {"adv": cat(adv), "mask": cat(mask), "old": cat(o), "rollout": cat(rollout) if rollout_logprobs else None}
+
+
+def check_rollout_logprobs(seqs: Sequence[TrainSequence | None], weighting: str | None) -> None:
+    """Every sequence carries the engine's log-probs where the correction's `weighting`
+    (`CorrectionConfig.weighting`) reads them; other ranks' sequences are None."""
+    if weighting is None:
+        return
+    for i, s in enumerate(seqs):
+        if s is not None and s.rollout_logprobs is None:
+            raise ValueError(f"sequence {i} has no rollout log-probs, which trainer.correction {weighting} weighs "
+                             "by; set trainer.correction.method=none")
 
 
 def offpolicy_mask(seq: TrainSequence, policy_version: int) -> np.ndarray:

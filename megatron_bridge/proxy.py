@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import torch
 
 from megatron_bridge.batch import BatchLayout, check_batch, sequences, share_batch
+from megatron_bridge.policy_loss import check_rollout_logprobs
 from megatron_bridge.replay import check_all_routes
 from megatron_bridge.weight_sync import CallableSink, InMemorySink, WeightSink
 
@@ -118,11 +119,11 @@ class TrainerProxy:
     def train_step(self, batch, *, temperature: float = 1.0, policy_version: int | None = None,
                    old_logprobs=None) -> dict[str, float]:
         lay = self.batch_layout()
-        for i, s in enumerate(sequences(batch)):  # what train_step refuses, refused before any rank starts
+        seqs = sequences(batch)
+        for i, s in enumerate(seqs):  # what train_step refuses, refused before any rank starts
             if s.advantage is None:
                 raise ValueError(f"sequence {i} has no advantage")
-            if lay.use_tis and s.rollout_logprobs is None:
-                raise ValueError(f"sequence {i} has no rollout log-probs (needed for TIS; set use_tis=False)")
+        check_rollout_logprobs(seqs, lay.weighting)
         return self._by_share("train_step", batch, lay.moe and lay.replay_train, temperature=temperature,
                               policy_version=policy_version, old_logprobs=old_logprobs)
 

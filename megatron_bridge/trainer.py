@@ -132,7 +132,7 @@ class MegatronTrainer:
         if len(ranks) > 1:
             torch.distributed.all_gather_object(ranks, self.micro.dp_rank)
         a, c = self.arch, self.cfg
-        return BatchLayout(self.micro.dp, tuple(ranks), a.moe, c.replay_train, c.replay_verify, c.use_tis,
+        return BatchLayout(self.micro.dp, tuple(ranks), a.moe, c.replay_train, c.replay_verify, c.correction.weighting,
                            c.max_seq_len, a.context_length, a.vocab_size, a.num_layers, a.top_k, a.num_experts)
 
     def _checked(self, batch: Sequence[TrainSequence] | BatchShare, use_replay: bool) -> RankBatch:
@@ -208,8 +208,7 @@ class MegatronTrainer:
                 continue
             if s.advantage is None:
                 raise ValueError(f"sequence {i} has no advantage")
-            if self.cfg.use_tis and s.rollout_logprobs is None:
-                raise ValueError(f"sequence {i} has no rollout log-probs (needed for TIS; set use_tis=False)")
+        policy_loss.check_rollout_logprobs(seqs, self.cfg.correction.weighting)
         use_replay = self.cfg.replay_train and self.arch.moe
         seqs = self._checked(seqs, use_replay)
         if old_logprobs is None:
@@ -225,8 +224,9 @@ class MegatronTrainer:
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        if self.cfg.mask_offpolicy and policy_version is None:
-            raise ValueError("trainer.mask_offpolicy needs the policy_version of train_step (the weights held now)")
+        if self.cfg.correction.masks_offpolicy and policy_version is None:
+            raise ValueError("trainer.correction mask_offpolicy needs the policy_version of train_step (the weights "
+                             "held now)")
         metrics = self._loss_pass(seqs, old, use_replay, temperature, forward_only=False,
                                   policy_version=policy_version)
         lr = float(self.optimizer.param_groups[0]["lr"])
@@ -248,9 +248,10 @@ class MegatronTrainer:
     def _loss_pass(self, seqs: list[TrainSequence], old: list, use_replay: bool, temperature: float,
                    forward_only: bool, policy_version: int | None = None) -> dict[str, float]:
         mbs = self.micro.build(seqs, use_replay)
-        older = policy_version if self.cfg.mask_offpolicy else None
+        corr = self.cfg.correction
+        older = policy_version if corr.masks_offpolicy else None
         for mb in mbs:
-            mb.extras = policy_loss.loss_inputs(seqs, mb, old, self.cfg.use_tis, mask_older_than=older)
+            mb.extras = policy_loss.loss_inputs(seqs, mb, old, corr.reads_rollout_logprobs, mask_older_than=older)
 
         def loss_of_mb(mb, output):
             lp, ent = self.micro.token_stats(mb, output, temperature)

@@ -358,7 +358,7 @@ class AsyncLoop(Schedule):
             self.switch = ConditionalSwitch.from_state(state["switch"])
 
     def close(self) -> None:
-        """The engines stop generating and forget the run's responses (servers given by `rollout.endpoints`
+        """The engines stop generating and forget the run's responses (servers given by `servers.endpoints`
         outlive the run; a resumed run resubmits from its checkpoint's buffer), and the worker thread ends."""
         try:
             if self.fallback is None:

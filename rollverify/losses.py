@@ -20,9 +20,90 @@ masked positions may hold any value, even NaN.
 from __future__ import annotations
 
 import math
+import typing
+from dataclasses import dataclass
+from typing import ClassVar, Literal
 
 import torch
 from torch import Tensor
+
+from rollverify.sections import ConfigError, bounded, check_bounds
+
+# --- the stale-token correction setting ---------------------------------------------------------------------
+#
+# What the trainer does about tokens the engine sampled under an older (or numerically different) policy than
+# the trainer's: a per-token behaviour weight and a loss mask (`behaviour_correction`), or slime's mask of the
+# carried-over tokens. Notation: lp_old is the trainer's recomputed log-prob (AReaL's proximal policy),
+# lp_rollout the engine's (the behaviour policy), r = exp(lp_old - lp_rollout) per token.
+
+Weighting = Literal["none", "tis", "decoupled", "icepop", "m2po", "seq_mis", "geo_rs"]
+Correction = Literal[Weighting, "mask_offpolicy"]
+CORRECTIONS: tuple[str, ...] = typing.get_args(Correction)
+WEIGHTS: tuple[str, ...] = typing.get_args(Weighting)[1:]  # the methods that weigh by the engine's log-probs
+SEQUENCE_CORRECTIONS = ("seq_mis", "geo_rs")  # they need padded [sequences, tokens] tensors
+
+
+@dataclass
+class CorrectionConfig:
+    """The trainer's stale-token correction (the `trainer.correction` section): one `method` and its knobs.
+
+    ``none``            no correction: every token weighs 1 and the engine's log-probs are not read.
+    ``tis``             truncated importance sampling, w = min(r, tis_cap) (the design's; each loss applies it).
+    ``decoupled`` ...   a weight and loss mask that replace TIS (`behaviour_correction` gives each's source):
+                        decoupled and m2po (AReaL), icepop (slime), seq_mis and geo_rs (verl's presets).
+    ``mask_offpolicy``  slime's --mask-offpolicy-in-partial-rollout: tokens sampled by an older policy version
+                        than the trainer's (the carried-over ones) leave the loss mask; `then` weighs the tokens
+                        it keeps (none, or one of the weights above).
+    """
+
+    method: Correction = "tis"
+    then: Weighting = "none"  # mask_offpolicy only: what weighs the tokens the mask keeps
+    tis_cap: float = bounded(2.0, gt=0.0)  # tis: the cap C; inf: untruncated
+    decoupled_cap: float = bounded(5.0, gt=0.0)  # decoupled, m2po: behaviour weights above it are rejected (0)
+    icepop_low: float = bounded(0.5, ge=0.0)  # icepop: weights outside [low, high] are 0
+    icepop_high: float = bounded(2.0, gt=0.0)
+    m2_threshold: float = bounded(0.04, gt=0.0)  # m2po: mean (log r)^2 of the kept tokens stays below it
+    seq_is_cap: float = bounded(2.0, gt=0.0)  # seq_mis: sequence IS weight cap
+    seq_rs_low: float = bounded(0.5, gt=0.0)  # seq_mis: a sequence stays where low <= prod_t 1/r_t <= high
+    seq_rs_high: float = bounded(2.0, gt=0.0)
+    geo_rs_low: float = bounded(0.999, gt=0.0)  # geo_rs: a sequence stays where its geometric mean of 1/r
+    geo_rs_high: float = bounded(1.001, gt=0.0)  # ... lies in [low, high]
+
+    BANDS: ClassVar[tuple[tuple[str, str], ...]] = (("icepop_low", "icepop_high"), ("seq_rs_low", "seq_rs_high"),
+                                                    ("geo_rs_low", "geo_rs_high"))
+
+    def check(self, prefix: str = "trainer.correction") -> None:
+        """Names, bounds and the rules between the knobs; `ConfigError` naming the key."""
+        if self.method not in CORRECTIONS:
+            raise ConfigError(f"{prefix}.method: one of {', '.join(CORRECTIONS)}, got {self.method!r}")
+        if self.then not in ("none", *WEIGHTS):
+            raise ConfigError(f"{prefix}.then: one of none, {', '.join(WEIGHTS)}, got {self.then!r}")
+        if self.then != "none" and self.method != "mask_offpolicy":
+            raise ConfigError(f"{prefix}.then: weighs the tokens slime's mask keeps, so it needs {prefix}.method="
+                              f"mask_offpolicy (method is {self.method}); for {self.then} alone set "
+                              f"{prefix}.method={self.then} and {prefix}.then=none")
+        check_bounds(self, prefix)
+        for lo, hi in self.BANDS:
+            if getattr(self, lo) > getattr(self, hi):
+                raise ConfigError(f"{prefix}.{lo}: must be <= {prefix}.{hi} ({getattr(self, hi)}), "
+                                  f"got {getattr(self, lo)}")
+
+    @property
+    def weighting(self) -> str | None:
+        """The weight the loss takes: one of `WEIGHTS`, or None (every token weighs 1)."""
+        w = self.then if self.method == "mask_offpolicy" else self.method
+        return None if w == "none" else w
+
+    @property
+    def masks_offpolicy(self) -> bool:
+        """Whether tokens of older policy versions than the trainer's leave the loss mask."""
+        return self.method == "mask_offpolicy"
+
+    @property
+    def reads_rollout_logprobs(self) -> bool:
+        """Whether the loss reads the engine's log-probs (every weighting does; the mask alone does not)."""
+        return self.weighting is not None
+
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 # VeRL's aggregation per loss: token-mean for the PPO surrogate (actor.loss_agg_mode's default) and for VESPO
@@ -86,7 +167,7 @@ def ppo_tis_loss(
     eps_low: float = 0.2,
     eps_high: float = 0.3,
     dual_clip_c: float = 3.0,
-    tis_cap: float = 2.0,
+    tis_cap: float = CorrectionConfig.tis_cap,
     agg_mode: str | None = None,
     global_count: int | None = None,
     behaviour_weight: Tensor | None = None,
@@ -127,7 +208,7 @@ def gspo_loss(
     eps_low: float = 3e-4,
     eps_high: float = 4e-4,
     rollout_logprobs: Tensor | None = None,
-    tis_cap: float = 2.0,
+    tis_cap: float = CorrectionConfig.tis_cap,
     agg_mode: str | None = None,
     global_count: int | None = None,
     behaviour_weight: Tensor | None = None,
@@ -169,7 +250,7 @@ def sapo_loss(
     tau_pos: float = 1.0,
     tau_neg: float = 1.05,
     rollout_logprobs: Tensor | None = None,
-    tis_cap: float = 2.0,
+    tis_cap: float = CorrectionConfig.tis_cap,
     agg_mode: str | None = None,
     global_count: int | None = None,
     behaviour_weight: Tensor | None = None,
@@ -208,7 +289,7 @@ def vespo_loss(
     c1_neg: float = 3.0,
     c2_neg: float = 2.0,
     rollout_logprobs: Tensor | None = None,
-    tis_cap: float = 2.0,
+    tis_cap: float = CorrectionConfig.tis_cap,
     agg_mode: str | None = None,
     global_count: int | None = None,
     behaviour_weight: Tensor | None = None,
@@ -266,36 +347,22 @@ def vespo_loss(
 
 # --- stale-token corrections ------------------------------------------------------------------------------
 #
-# What the field does about tokens the engine sampled under an older (or numerically different) policy than the
-# trainer's, as a per-token behaviour weight and a loss mask that each loss above takes in place of its TIS
-# weight. Notation: lp_old is the trainer's recomputed log-prob (AReaL's proximal policy), lp_rollout the
-# engine's (the behaviour policy), r = exp(lp_old - lp_rollout) per token, log r clamped to +-20 as verl does.
+# Each correction's behaviour weight and loss mask, which a loss above takes in place of its TIS weight (the
+# notation is `CorrectionConfig`'s); log r is clamped to +-20 as verl does.
 
-CORRECTIONS = ("tis", "decoupled", "icepop", "m2po", "seq_mis", "geo_rs")
-SEQUENCE_CORRECTIONS = ("seq_mis", "geo_rs")  # they need padded [sequences, tokens] tensors
 _LOG_BOUND = 20.0
 
 
 def behaviour_correction(
-    kind: str,
+    cfg: CorrectionConfig,
     old_logprobs: Tensor,
     rollout_logprobs: Tensor,
     mask: Tensor,
-    *,
-    tis_cap: float = 2.0,
-    decoupled_cap: float = 5.0,
-    icepop_low: float = 0.5,
-    icepop_high: float = 2.0,
-    m2_threshold: float = 0.04,
-    seq_is_cap: float = 2.0,
-    seq_rs_low: float = 0.5,
-    seq_rs_high: float = 2.0,
-    geo_rs_low: float = 0.999,
-    geo_rs_high: float = 1.001,
 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """The behaviour weight w (detached, 0 where a token is rejected but still counted) and the loss mask
-    ``keep`` (False where the method takes a token out of the loss mask, so out of the normaliser too) of one
-    stale-token correction, with its statistics (``corr_*``). Each definition is its source's:
+    ``keep`` (False where the method takes a token out of the loss mask, so out of the normaliser too) of the
+    weighting `cfg` names (`CorrectionConfig.weighting`, its knobs `cfg`'s), with its statistics (``corr_*``).
+    Each definition is its source's:
 
     ``tis``        w = min(r, tis_cap), keep all: the design's truncated IS (slime ``vanilla_tis_function``
                    with tis_clip_low 0, verl token TIS).
@@ -325,22 +392,17 @@ def behaviour_correction(
 
     Tensors share one shape (``seq_mis`` and ``geo_rs``: padded [B, T]); masked positions may hold anything.
     """
-    if kind not in CORRECTIONS:
-        raise ValueError(f"the stale-token correction must be one of {CORRECTIONS}, got {kind!r}")
+    cfg.check(prefix="correction")
+    kind = cfg.weighting
+    if kind is None:
+        raise ValueError(f"the correction {cfg.method}"
+                         + (" then none" if cfg.masks_offpolicy else "") + " weighs no token by the engine's log-probs")
     if old_logprobs.shape != rollout_logprobs.shape or mask.shape != old_logprobs.shape:
         raise ValueError(f"old_logprobs {tuple(old_logprobs.shape)}, rollout_logprobs "
                          f"{tuple(rollout_logprobs.shape)} and mask {tuple(mask.shape)} must share one shape")
     if kind in SEQUENCE_CORRECTIONS and old_logprobs.dim() != 2:
         raise ValueError(f"the {kind} correction needs padded [batch, tokens] tensors, got shape "
                          f"{tuple(old_logprobs.shape)}")
-    for name, lo, hi in (("icepop", icepop_low, icepop_high), ("seq_rs", seq_rs_low, seq_rs_high),
-                         ("geo_rs", geo_rs_low, geo_rs_high)):
-        if not 0 <= lo <= hi:
-            raise ValueError(f"{name}_low must be >= 0 and <= {name}_high, got {lo!r} and {hi!r}")
-    for name, v in (("tis_cap", tis_cap), ("decoupled_cap", decoupled_cap), ("m2_threshold", m2_threshold),
-                    ("seq_is_cap", seq_is_cap), ("seq_rs_low", seq_rs_low), ("geo_rs_low", geo_rs_low)):
-        if not v > 0:
-            raise ValueError(f"{name} must be > 0, got {v!r}")
     valid = mask.bool()
     dtype = _compute_dtype(old_logprobs)
     with torch.no_grad():
@@ -349,21 +411,21 @@ def behaviour_correction(
         r = torch.exp(log_r)
         keep = valid.clone()
         if kind == "tis":
-            w = r.clamp(max=tis_cap)
+            w = r.clamp(max=cfg.tis_cap)
         elif kind == "icepop":
-            w = torch.where((r >= icepop_low) & (r <= icepop_high), r, 0.0)
+            w = torch.where((r >= cfg.icepop_low) & (r <= cfg.icepop_high), r, 0.0)
         elif kind in ("decoupled", "m2po"):
-            w = torch.where(r <= decoupled_cap, r, 0.0)
+            w = torch.where(r <= cfg.decoupled_cap, r, 0.0)
             if kind == "m2po":
-                keep = _m2po_keep(log_r, valid, m2_threshold)
+                keep = _m2po_keep(log_r, valid, cfg.m2_threshold)
         elif kind == "seq_mis":
             seq_log = log_r.sum(-1, keepdim=True)  # log prod_t r_t
-            w = torch.exp(seq_log.clamp(-_LOG_BOUND, _LOG_BOUND)).clamp(max=seq_is_cap).expand_as(log_r)
-            keep = valid & _in_log_band(-seq_log, seq_rs_low, seq_rs_high)
+            w = torch.exp(seq_log.clamp(-_LOG_BOUND, _LOG_BOUND)).clamp(max=cfg.seq_is_cap).expand_as(log_r)
+            keep = valid & _in_log_band(-seq_log, cfg.seq_rs_low, cfg.seq_rs_high)
         else:  # geo_rs
             w = torch.ones_like(r)
             seq_mean = log_r.sum(-1, keepdim=True) / valid.sum(-1, keepdim=True).clamp(min=1)
-            keep = valid & _in_log_band(-seq_mean, geo_rs_low, geo_rs_high)
+            keep = valid & _in_log_band(-seq_mean, cfg.geo_rs_low, cfg.geo_rs_high)
         w = torch.where(keep, w, 0.0)
         metrics = {
             "corr_weight_mean": masked_mean(w, valid),

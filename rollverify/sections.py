@@ -3,9 +3,13 @@ type and bound checked.
 
 Each section belongs to the code that reads it (the loop's `rollverify.rollout.RolloutConfig`, the strategies'
 `rollverify.strategies.AlgoConfig`, the trainer wing's `megatron_bridge.config.TrainerConfig`, the
-application's own); the application's run config (`rollverify.app.config.RunConfig`) composes them. A bad key
-or value is a `ConfigError` naming the key and what it allows; a section's own cross-field rules are its
-`check()`, which raises `ConfigError` too.
+application's own); the application's run config (`rollverify.app.config.RunConfig`) composes them. A field
+whose type is a dataclass is a nested section (a mapping in the file, `a.b.c=value` on the command line). A bad
+key or value is a `ConfigError` naming the key and what it allows; a section's own cross-field rules are its
+`check()`, which raises `ConfigError` too. A section lists the keys it no longer reads in a class attribute
+`RETIRED` ({old key: what replaces it}): a file or override that still sets one is refused with that message. A
+section that passes keys it does not type on to another program names, in `PASS_THROUGH`, the mapping field that
+collects them.
 """
 
 from __future__ import annotations
@@ -31,6 +35,27 @@ def bounded(default: Any = dataclasses.MISSING, *, ge=None, gt=None, le=None, lt
     return field(default=default, metadata=meta)
 
 
+def check_bound(name: str, value: Any, meta: typing.Mapping[str, Any]) -> None:
+    """A `bounded` field's value against its bounds (and never NaN); `ConfigError` naming `name`."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return
+    if math.isnan(value):
+        raise ConfigError(f"{name}: must be a number, got nan")
+    for op, bound, ok in (
+        (">=", meta.get("ge"), lambda a, b: a >= b),
+        (">", meta.get("gt"), lambda a, b: a > b),
+        ("<=", meta.get("le"), lambda a, b: a <= b),
+        ("<", meta.get("lt"), lambda a, b: a < b),
+    ):
+        if bound is not None and not ok(value, bound):
+            raise ConfigError(f"{name}: must be {op} {bound}, got {value}")
+
+
+def check_bounds(obj: Any, prefix: str) -> None:
+    """Every `bounded` field of the dataclass `obj` within its bounds: what `build` checks, for a section made
+    in code."""
+    for f in fields(obj):
+        check_bound(f"{prefix}.{f.name}", getattr(obj, f.name), f.metadata)
 
 
 def suggest(key: str, allowed: list[str]) -> str:
@@ -47,7 +72,7 @@ def describe(tp: Any) -> str:
         return " or ".join(parts) + (" or null" if type(None) in typing.get_args(tp) else "")
     if origin in (list, tuple):
         return "a list"
-    if origin is dict or tp is dict:
+    if origin is dict or tp is dict or dataclasses.is_dataclass(tp):
         return "a mapping"
     return {bool: "true or false", int: "an integer", float: "a number (inf allowed)", str: "a string"}.get(
         tp, str(tp)
@@ -60,6 +85,12 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
     bad = ConfigError(f"{key}: expected {describe(tp)}, got {value!r}")
     if tp is Any:
         return value
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):  # a nested section
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise bad
+        return build(tp, value, key)
     if origin is Literal:
         if value in typing.get_args(tp) and not isinstance(value, bool):
             return value
@@ -117,8 +148,16 @@ def build(cls: type, raw: dict[str, Any], prefix: str) -> Any:
     """An instance of the dataclass `cls` from `raw`, checking names, types and bounds."""
     hints = typing.get_type_hints(cls)
     flds = {f.name: f for f in fields(cls) if f.init}
-    kw = {}
+    retired: dict[str, str] = getattr(cls, "RETIRED", {})
+    pass_through: str | None = getattr(cls, "PASS_THROUGH", None)
+    kw: dict[str, Any] = {}
+    passed: dict[str, Any] = {}
     for key, value in raw.items():
+        if key in retired and key not in flds:
+            raise ConfigError(f"{prefix}.{key}: no longer a setting; {retired[key]}")
+        if key not in flds and pass_through is not None:
+            passed[key] = value
+            continue
         if key not in flds:
             names = list(flds)
             raise ConfigError(
@@ -126,19 +165,10 @@ def build(cls: type, raw: dict[str, Any], prefix: str) -> Any:
             )
         name = f"{prefix}.{key}"
         v = coerce(value, hints[key], name)
-        meta = flds[key].metadata
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            if math.isnan(v):
-                raise ConfigError(f"{name}: must be a number, got nan")
-            for op, bound, ok in (
-                (">=", meta.get("ge"), lambda a, b: a >= b),
-                (">", meta.get("gt"), lambda a, b: a > b),
-                ("<=", meta.get("le"), lambda a, b: a <= b),
-                ("<", meta.get("lt"), lambda a, b: a < b),
-            ):
-                if bound is not None and not ok(v, bound):
-                    raise ConfigError(f"{name}: must be {op} {bound}, got {v}")
+        check_bound(name, v, flds[key].metadata)
         kw[key] = v
+    if passed:
+        kw[pass_through] = {**kw.get(pass_through, {}), **passed}
     try:
         return cls(**kw)
     except ConfigError:

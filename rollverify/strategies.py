@@ -1,4 +1,4 @@
-"""What happens to carried-over responses after each optimizer step: one interface, five modes.
+"""What happens to carried-over responses after each optimizer step: one interface, one mode each (`MODES`).
 
   on_policy         no carry-over: the rollout phase waits for every launched group
   partial           carry everything over unverified
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from rollverify.types import Response, VerifyBatch
-from rollverify.verify import VerifyResult, token_ops, two_stage_verify_ops
+from rollverify.verify import D_S, D_T, VerifyResult, token_ops, two_stage_verify_ops
 
 MODES = ("on_policy", "partial", "staleness_filter", "ops_filter", "rollverify", "spec_rl")
 ESTIMATORS = ("window", "ema")
@@ -48,8 +48,8 @@ class AlgoConfig:
     """Algorithm settings (defaults: the paper's)."""
 
     mode: str = "rollverify"
-    d_s: float = 0.01  # sequence-level threshold on a segment's mean OPS
-    d_t: float = 2.0  # token-level threshold
+    d_s: float = D_S  # sequence-level threshold on a segment's mean OPS
+    d_t: float = D_T  # token-level threshold
     seq_stage: bool = True
     token_stage: bool = True
     staleness_s: int = 1  # staleness_filter: restart responses older than this many versions
@@ -134,14 +134,6 @@ class AlgoConfig:
                 f"partial (the unverified asynchronous baseline, bounded by algo.max_staleness), or "
                 f"algo.schedule=alternating"
             )
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> AlgoConfig:
-        allowed = [f.name for f in fields(cls)]
-        for key in d:
-            if key not in allowed:
-                raise ValueError(f"algo.{key} is not a setting; allowed: {', '.join(allowed)}")
-        return cls(**d)
 
 
 @dataclass
@@ -327,7 +319,7 @@ class RollVerify(Strategy):
     mode = "rollverify"
     needs_new_logprobs = True
 
-    def __init__(self, d_s: float = 0.01, d_t: float = 2.0, device: str | torch.device = "cpu") -> None:
+    def __init__(self, d_s: float = D_S, d_t: float = D_T, device: str | torch.device = "cpu") -> None:
         super().__init__(device)
         self.d_s, self.d_t = d_s, d_t
 

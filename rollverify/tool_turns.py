@@ -1,4 +1,4 @@
-"""Tool turns of a multi-turn rollout (issue 28): what the loop calls between the engine and the tool runner.
+"""Tool turns of a multi-turn rollout: what the loop calls between the engine and the tool runner.
 
 A trajectory's policy turn ends where generation stops at the tool-call stop token (`</tool_call>` of the Qwen3
 chat template, one token in Qwen3's vocabulary and the tiny model's). The loop records the turn unfinished and
@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from rollverify.buffer import RolloutBuffer
-from rollverify.environment.runner import ToolConfig, ToolRunner, TurnResult
+from rollverify.environment.runner import RunnerLimits, ToolRunner, TurnResult
 from rollverify.environment.tool_calls import TOOL_CALL_CLOSE
 from rollverify.environment.tools import ToolRegistry
 from rollverify.interfaces import Chunk, RolloutEngine, SamplingParams
@@ -111,7 +111,7 @@ class ToolTurns:
         self.stop_id = int(ids[0])
         self.runner = ToolRunner(
             registry,
-            ToolConfig(time_limit_s=cfg.time_limit_s, max_env_chars=None, max_env_tokens=cfg.max_env_tokens,
+            RunnerLimits(time_limit_s=cfg.time_limit_s, max_env_chars=None, max_env_tokens=cfg.max_env_tokens,
                        max_workers=cfg.max_concurrent),
             count_tokens=lambda text: len(codec.encode(text)),
         )

@@ -7,7 +7,7 @@ to end in torch tensors for verification's vectorised work on CPU or GPU.
 
 Tokens come from two sources (DESIGN.md, "Tokens from two sources"): *policy* tokens, sampled by the engine
 (log-prob and version recorded), and *environment* tokens, a tool's output and the template text around it,
-inserted by the rollout side (no log-prob: NaN; no version: ``NO_VERSION``; never trained). ``VerifyBatch``
+inserted by the rollout side (no log-prob: NaN; no version: ``ENV_VERSION``; never trained). ``VerifyBatch``
 holds the policy tokens only and maps keep lengths back to whole-response positions: a cut at a policy token
 removes everything after it, environment tokens included.
 
@@ -27,7 +27,9 @@ from torch import Tensor
 
 FINISH_REASONS = ("stop", "length", "abort")
 POLICY, ENVIRONMENT = 0, 1  # values of Response.sources
-NO_VERSION = -1  # the version an environment token records (it was not sampled by any policy)
+# The version an environment token records: no policy sampled it. The control channel carries the same value
+# (sglang_ext.protocol), where -1 means a submitted token of unknown version; a sampled token's version is >= 0.
+ENV_VERSION = -2
 
 
 def _array(x: Any, dtype: type, name: str, ndim: int = 1) -> np.ndarray:
@@ -49,7 +51,7 @@ class Response:
                              *produced* each token (sequence position prompt_len + j - 1), i.e. exactly the
                              routes needed to recompute that token's log-prob; cut together with the tokens.
                              An environment token's routes come from the engine's prefill of it.
-      sources        uint8   POLICY (sampled) or ENVIRONMENT (inserted: log-prob NaN, version NO_VERSION)
+      sources        uint8   POLICY (sampled) or ENVIRONMENT (inserted: log-prob NaN, version ENV_VERSION)
     ``prompt_routed_experts`` [prompt_len - 1, layers, top_k] holds the routes of the remaining prompt
     positions, so that prompt + response routes cover the trainer's forward pass. Every route is the one of the
     engine's latest forward over its position: when the engine re-prefills the prompt and a kept prefix
@@ -178,13 +180,13 @@ class Response:
     def append_environment(self, token_ids: Sequence[int] | np.ndarray, routed_experts: np.ndarray | None = None,
                            route_fill: int = -1) -> None:
         """Add environment tokens (a tool's output and the template text around it): log-prob NaN, version
-        NO_VERSION. Their routes are unknown until the engine prefills them (``route_fill`` rows, which the
+        ENV_VERSION. Their routes are unknown until the engine prefills them (``route_fill`` rows, which the
         engine's next re-prefill replaces through ``reroute``) unless given. The response stays unfinished."""
         tok = _array(token_ids, np.int32, "token_ids")
         n = len(tok)
         if routed_experts is None and self.routed_experts is not None:
             routed_experts = np.full((n, *self.routed_experts.shape[1:]), route_fill, np.int32)
-        self.append(tok, np.full(n, np.nan, np.float32), np.full(n, NO_VERSION, np.int64), routed_experts,
+        self.append(tok, np.full(n, np.nan, np.float32), np.full(n, ENV_VERSION, np.int64), routed_experts,
                     finished=False, sources=np.full(n, ENVIRONMENT, np.uint8))
 
     def _joined_routes(self, routed_experts: np.ndarray | None, n_new: int) -> np.ndarray | None:

@@ -43,6 +43,7 @@ KERNEL_SLACK = 1.0 - 2.0**-20  # a kernel row sum is >= this times token_ops' D 
 _COMPILED: dict[Callable, Callable | None] = {}  # kernel D's function -> its compiled row sums (None: failed)
 
 TensorLike = Tensor | np.ndarray
+D_S, D_T = 0.01, 2.0  # the paper's thresholds: every default d_s / d_t (AlgoConfig's, RollVerify's) is these
 
 
 @dataclass
@@ -121,8 +122,8 @@ def two_stage_verify(
     new_logprobs: TensorLike,
     versions: TensorLike,
     lengths: TensorLike,
-    d_s: float = 0.01,
-    d_t: float = 2.0,
+    d_s: float = D_S,
+    d_t: float = D_T,
     *,
     block: int | None = None,
 ) -> VerifyResult:
@@ -156,8 +157,8 @@ def two_stage_verify_ops(
     ops: TensorLike,
     versions: TensorLike,
     lengths: TensorLike,
-    d_s: float = 0.01,
-    d_t: float = 2.0,
+    d_s: float = D_S,
+    d_t: float = D_T,
     *,
     block: int | None = None,
 ) -> VerifyResult:

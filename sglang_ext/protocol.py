@@ -18,15 +18,19 @@ from typing import Annotated, Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from rollverify.types import ENV_VERSION as ENV_VERSION  # the wire's environment-token version is the core's
+
 PROTOCOL_VERSION = 1
 MAX_HEADER_BYTES = 16 << 20
 MAX_HEADER_DEPTH = 16  # nesting of JSON arrays and objects in a header (a submit needs 5)
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # every JSON integer in a header
 INT32_MAX = 2**31 - 1  # weights versions and token counts (they travel as int32 buffers)
-# The version an environment token carries (a tool's output the controller appended: no log-prob, NaN; no policy
-# version); -1 is a submitted prefix token of unknown version.
-ENV_VERSION = -2
+# A token's policy version on the wire: >= 0 the version that sampled it; ENV_VERSION (the core's value,
+# rollverify.types) an environment token (a tool's output the controller appended: log-prob NaN, no policy);
+# UNKNOWN_VERSION a submitted prefix token whose version the client did not say.
+UNKNOWN_VERSION = -1
 MAX_ID_CHARS = 256  # a string request id
+MAX_TYPE_CHARS = 64  # a message type (the longest known is far shorter); a reply echoes it whole or not at all
 MAX_RID_CHARS = 512  # a response id
 MAX_BUFFER_DIMS = 8
 TOP_K_MAX = 1 << 30  # SGLang's own "no top-k" value; anything at or above the vocabulary size is no top-k
@@ -103,7 +107,7 @@ class Header(BaseModel):
     model_config = ConfigDict(extra="forbid")
     proto: int
     id: int | Annotated[str, Field(max_length=MAX_ID_CHARS)] | None = None  # JSON integers are int64
-    type: str | None = None
+    type: Annotated[str, Field(max_length=MAX_TYPE_CHARS)] | None = None
     body: dict[str, Any] = Field(default_factory=dict)
     buffers: list[BufferSpec] = Field(default_factory=list)
     ok: bool | None = None  # replies only
@@ -294,7 +298,7 @@ def decode(frames: Sequence[Any], request: bool = False) -> Message:
         return _decode(obj, frames, request)
     except ProtocolError as e:
         e.req_id = _readable(obj.get("id"), MAX_ID_CHARS, ints=True)
-        e.req_type = _readable(obj.get("type"), 64, ints=False)
+        e.req_type = _readable(obj.get("type"), MAX_TYPE_CHARS, ints=False)
         raise
 
 

@@ -154,18 +154,6 @@ class RayServer:
         ready, _ = ray.wait([self._exit], timeout=0)
         return not ready
 
-    def exit_reason(self) -> str:
-        """Why the server is gone (its exit code, or how its actor died); '' while it runs."""
-        import ray
-        from ray.exceptions import RayActorError
-
-        if self.alive():
-            return ""
-        try:
-            return f"server process exited with code {ray.get(self._exit)}"
-        except RayActorError as e:
-            return f"its actor died ({type(e).__name__})"
-
     def stop(self, timeout_s: float = 30.0) -> None:
         import ray
 

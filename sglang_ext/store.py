@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from sglang_ext.protocol import ENV_VERSION, Output, WireSamplingParams, encode_outputs
+from sglang_ext.protocol import ENV_VERSION, UNKNOWN_VERSION, Output, WireSamplingParams, encode_outputs
 
 
 class State(StrEnum):
@@ -293,7 +293,7 @@ def new_record(
                 else np.full(n, np.nan, np.float32),
                 np.array(prefix_versions, dtype=np.int32)
                 if prefix_versions is not None
-                else np.full(n, -1, np.int32),
+                else np.full(n, UNKNOWN_VERSION, np.int32),
                 routes,
             )
         )

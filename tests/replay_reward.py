@@ -1,5 +1,5 @@
-"""A reward that varies with the response (`task.reward` of tests/test_replay_resume.py): the tiny model is not
-warm-started there, so the countdown reward would be 0 everywhere and no step would change the weights."""
+"""A reward that varies with the response (`e2e_checks.REWARD`, the end-to-end tests' `task.reward`): their tiny
+model is not warm-started, so the countdown reward would be 0 everywhere and no step would change the weights."""
 
 
 def score(prompt: str, response: str, label: object) -> float:

@@ -13,20 +13,17 @@ import json
 import os
 import signal
 import threading
-from pathlib import Path
 
-import numpy as np
 import pytest
+from e2e_checks import REWARD, check_verified, watch_trainer
 from engine_fixtures import SMALL_RUN, reset_server, run
 
 from rollverify.app.config import load_config
 from rollverify.app.train import Run
-from rollverify.verify import two_stage_verify
 
 pytestmark = [pytest.mark.engine, pytest.mark.megatron]
 pytest_plugins = ["engine_fixtures"]  # the session's tiny MoE server
 
-REWARD = f"{Path(__file__).with_name('replay_reward.py')}:score"
 ASYNC = [
     *SMALL_RUN,
     "model.moe=true",
@@ -51,55 +48,12 @@ def tiny_moe(moe_server):
     return moe_server
 
 
-def watch_trainer(r: Run) -> list[dict]:
-    """Wrap the run's trainer: each train_step records what it was handed and what the trainer computes."""
-    trainer, engine = r.trainer, r.engine
-    steps: list[dict] = []
-    train_step, own_old, wait_finished = trainer.train_step, trainer.old_logprobs, engine.wait_finished
-    polled = threading.Event()
-
-    def counted(timeout: float):  # the driver polls the engines
-        polled.set()
-        return wait_finished(timeout)
-
-    engine.wait_finished = counted
-
-    def recorded(responses, advantages, temperature, policy_version, old_logprobs=None):
-        own = own_old(responses, temperature)
-        generated = r.loop.ledger.generated_tokens
-        polled.clear()
-        out = train_step(responses, advantages, temperature, policy_version, old_logprobs=old_logprobs)
-        # the call returns only once the driver polled the engines after it began: a driver that waited for the
-        # trainer instead would never poll meanwhile, and the wait would end at its limit
-        polled_meanwhile = polled.wait(120.0)
-        steps.append({
-            "thread": threading.current_thread().name, "version": policy_version, "own": own, "old": old_logprobs,
-            "tokens": [(x.logprobs.copy(), x.versions.copy()) for x in responses],
-            "groups": {x.group_id for x in responses},
-            "generated_meanwhile": r.loop.ledger.generated_tokens - generated, "polled_meanwhile": polled_meanwhile,
-        })
-        return out
-
-    trainer.train_step = recorded
-    return steps
-
-
-def check_verified(steps: list[dict], cfg) -> None:
-    for s in steps:
-        assert s["thread"].startswith("rollverify-trainer")  # off the driver, which fed the engines meanwhile
-        for (lp, ver), old, own in zip(s["tokens"], s["old"], s["own"], strict=True):
-            np.testing.assert_allclose(old, own, rtol=0, atol=1e-6)  # verified with the step's own old log-probs
-            assert s["version"] - ver.min() <= cfg.algo.max_staleness
-            keep = two_stage_verify(old, lp, ver, np.array([len(lp)]), cfg.algo.d_s, cfg.algo.d_t).keep_lengths
-            assert int(keep[0]) == len(lp)
-
-
 def test_servers_generate_while_the_trainer_trains_with_every_trained_token_verified(tiny_moe, tmp_path):
     # max_live B * n bounds the groups launched under version 0 whatever the load: a group launches only while
     # fewer than B finished groups wait and n responses fit beside the live ones, so at most max_live - n + 2 = 4
     # groups wait untrained at any time, and at most 2 + 4 of the 8 trained groups were launched before version 1
     cfg = load_config(None, [*ASYNC, "trainer.steps=4", "rollout.max_live=4",
-                             f"rollout.endpoints=[\"{tiny_moe.endpoint}\"]"])
+                             f"servers.endpoints=[\"{tiny_moe.endpoint}\"]"])
     (tmp_path / "run").mkdir()
     r = Run(cfg, tmp_path / "run")
     try:
@@ -120,7 +74,7 @@ def test_servers_generate_while_the_trainer_trains_with_every_trained_token_veri
 
 
 def test_a_checkpoint_with_a_full_queue_resumes_with_nothing_lost_or_duplicated(tiny_moe, tmp_path):
-    over = [*ASYNC, "trainer.steps=3", f"rollout.endpoints=[\"{tiny_moe.endpoint}\"]", "algo.queue_groups=3"]
+    over = [*ASYNC, "trainer.steps=3", f"servers.endpoints=[\"{tiny_moe.endpoint}\"]", "algo.queue_groups=3"]
     cfg = load_config(None, over)
     (tmp_path / "a").mkdir()
     first = Run(cfg, tmp_path / "a")
@@ -161,7 +115,7 @@ def test_a_checkpoint_with_a_full_queue_resumes_with_nothing_lost_or_duplicated(
 def test_a_server_killed_mid_run_is_restarted_and_nothing_is_lost(tmp_path):
     """The run's own server (and two trainer ranks in child processes): SIGKILLed while a step's trainer call
     runs and responses are live; the run restarts it with the current policy and resubmits what it held."""
-    cfg = load_config(None, [*ASYNC, "trainer.steps=4", "trainer.dp=2", "rollout.server_timeout_s=600"])
+    cfg = load_config(None, [*ASYNC, "trainer.steps=4", "trainer.dp=2", "servers.timeout_s=600"])
     (tmp_path / "run").mkdir()
     r = Run(cfg, tmp_path / "run")
     try:

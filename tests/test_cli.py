@@ -26,7 +26,10 @@ def test_top_level_help_lists_every_command_with_its_line(capsys):
     out = capsys.readouterr().out
     for name, cmd in COMMANDS.items():
         assert re.search(rf"^  {re.escape(name)} +{re.escape(cmd.help)}$", out, re.M), name
-    assert "--version" in out and "tiny_cpu" in out
+    assert "--version" in out
+    # the shipped configs as the package holds them, every one
+    assert f"Shipped configs (pass the name or a YAML path): {', '.join(shipped_configs())}." in out
+    assert {"tiny_cpu", "tiny_stale", "tiny_tools"} <= set(shipped_configs())
     assert main([]) == 2  # no command: the same help, on stderr, and a failure status
     assert "commands:" in capsys.readouterr().err
 
@@ -64,6 +67,8 @@ def test_command_help_is_its_own_and_for_users(capsys, command, says):
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
     for text in says:
         assert text in out, text
+    if command == "train":
+        assert all(name in out for name in shipped_configs())
     for internal in ("Loop.run_step", "sglang_ext", "megatron_bridge", "DESIGN.md", "`rollverify` command line"):
         assert internal not in out
 
@@ -183,8 +188,8 @@ def test_demo_stale_runs_the_shipped_regime_with_the_three_modes(tmp_path, capsy
     assert demo_mod.cli_main(["--stale", "--out", str(tmp_path / "d"), "--steps", "0"]) == 2
     assert seen[-1][0] == "tiny_stale" and "trainer.steps=0" in seen[-1][1]
     cfg = load_config("tiny_stale")
-    assert (cfg.trainer.lr, cfg.trainer.use_tis, cfg.rollout.max_live,
-            cfg.rollout.engine_args["max_running_requests"]) == (1e-3, False, 256, 256)
+    assert (cfg.trainer.lr, cfg.trainer.correction.method, cfg.rollout.max_live,
+            cfg.servers.engine_args.max_running_requests) == (1e-3, "none", 256, 256)
     assert not (tmp_path / "d").exists()
 
 

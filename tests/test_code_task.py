@@ -1,4 +1,4 @@
-"""Code generation (issue 28): tiny local files in the published HumanEval, MBPP and LiveCodeBench layouts go
+"""Code generation: tiny local files in the published HumanEval, MBPP and LiveCodeBench layouts go
 through tools/prepare_data.py into the `code` task, whose reward runs the tests in the sandbox (all-pass, and
 partial credit), and whose evaluation counts pass@k."""
 

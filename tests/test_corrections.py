@@ -15,7 +15,7 @@ import torch
 from megatron_bridge.batch import TrainSequence
 from megatron_bridge.config import TrainerConfig
 from megatron_bridge.policy_loss import offpolicy_mask, terms
-from rollverify.losses import behaviour_correction, ppo_tis_loss
+from rollverify.losses import CORRECTIONS, CorrectionConfig, behaviour_correction, ppo_tis_loss
 from rollverify.sections import ConfigError
 from rollverify.strategies import AlgoConfig, SpecCut, first_false, make_strategy
 from rollverify.types import Response
@@ -27,11 +27,15 @@ def t(x, dtype=F64):
     return torch.tensor(x, dtype=dtype)
 
 
-def with_ratios(r, **kw):
+def corr(method, **knobs):
+    return CorrectionConfig(method=method, **knobs)
+
+
+def with_ratios(r, kind, **knobs):
     """old = 0, rollout = -log r per token: the behaviour ratio r = exp(old - rollout) exactly."""
     r = t(r)
     old = torch.zeros_like(r)
-    return behaviour_correction(kw.pop("kind"), old, old - torch.log(r), torch.ones_like(r, dtype=torch.bool), **kw)
+    return behaviour_correction(corr(kind, **knobs), old, old - torch.log(r), torch.ones_like(r, dtype=torch.bool))
 
 
 # --- token corrections --------------------------------------------------------------------------------------
@@ -45,7 +49,7 @@ def test_tis_is_the_truncated_weight_and_equals_the_default_loss():
     lp = old + 0.1 * torch.randn(6, generator=g, dtype=F64)
     rollout = old + 0.5 * torch.randn(6, generator=g, dtype=F64)
     adv, mask = torch.randn(6, generator=g, dtype=F64), torch.ones(6, dtype=torch.bool)
-    w, _, _ = behaviour_correction("tis", old, rollout, mask, tis_cap=2.0)
+    w, _, _ = behaviour_correction(corr("tis", tis_cap=2.0), old, rollout, mask)
     a, _ = ppo_tis_loss(lp, old, rollout, adv, mask, tis_cap=2.0)
     b, _ = ppo_tis_loss(lp, old, None, adv, mask, behaviour_weight=w)
     torch.testing.assert_close(a, b)
@@ -74,7 +78,7 @@ def test_decoupled_ppo_loss_by_hand():
     behave = prox - t([0.0, math.log(2.0), math.log(6.0)])  # behaviour weights 1, 2, 6 (rejected)
     adv = t([1.0, -1.0, 1.0])
     mask = torch.ones(3, dtype=torch.bool)
-    w, _, _ = behaviour_correction("decoupled", prox, behave, mask, decoupled_cap=5.0)
+    w, _, _ = behaviour_correction(corr("decoupled", decoupled_cap=5.0), prox, behave, mask)
     loss, _ = ppo_tis_loss(lp, prox, None, adv, mask, eps_low=0.2, eps_high=0.2, dual_clip_c=math.inf,
                            behaviour_weight=w)
     assert loss.item() == pytest.approx((1.0 * -1.2 + 2.0 * 1.0 + 0.0) / 3)
@@ -109,7 +113,7 @@ def test_m2po_by_hand_and_against_the_naive_rule():
         log_r = (0.4 * torch.randn(n, generator=g, dtype=F64)).tolist()
         valid = torch.rand(n, generator=g) > 0.2
         old = torch.zeros(n, dtype=F64)
-        _, keep, _ = behaviour_correction("m2po", old, old - t(log_r), valid, m2_threshold=0.04, decoupled_cap=1e9)
+        _, keep, _ = behaviour_correction(corr("m2po", m2_threshold=0.04, decoupled_cap=1e9), old, old - t(log_r), valid)
         expect = naive_m2po_keep([x for x, v in zip(log_r, valid.tolist(), strict=True) if v])
         assert keep[valid].tolist() == expect
         assert not keep[~valid].any()
@@ -129,8 +133,7 @@ def test_seq_mis_sequence_weight_and_seq_sum_k1_rejection():
     log_r = t([[0.1, 0.2, 0.0], [0.5, 0.5, 0.0], [-0.3, -0.3, -0.3]])
     mask = torch.tensor([[True, True, False], [True, True, True], [True, True, True]])
     old = torch.zeros(3, 3, dtype=F64)
-    w, keep, m = behaviour_correction("seq_mis", old, old - log_r, mask, seq_is_cap=2.0, seq_rs_low=0.5,
-                                      seq_rs_high=2.0)
+    w, keep, m = behaviour_correction(corr("seq_mis", seq_is_cap=2.0, seq_rs_low=0.5, seq_rs_high=2.0), old, old - log_r, mask)
     # row 0: sum 0.3 (the masked 0.0 ignored) -> w e^.3, kept; row 1: sum 1.0 -> prod 1/r = e^-1 < .5: rejected;
     # row 2: sum -0.9 -> prod 1/r = e^.9 = 2.46 > 2: rejected
     assert w[0, :2].tolist() == pytest.approx([math.exp(0.3)] * 2) and w[0, 2] == 0
@@ -138,15 +141,14 @@ def test_seq_mis_sequence_weight_and_seq_sum_k1_rejection():
     assert (w[1:] == 0).all()
     assert m["corr_loss_masked_frac"].item() == pytest.approx(6 / 8)
     # within the band the weight is truncated at the cap
-    w, keep, _ = behaviour_correction("seq_mis", old[:1], old[:1] - t([[0.3, 0.3, 0.0]]),
-                                      torch.ones(1, 3, dtype=torch.bool), seq_is_cap=1.5)
+    w, keep, _ = behaviour_correction(corr("seq_mis", seq_is_cap=1.5), old[:1], old[:1] - t([[0.3, 0.3, 0.0]]), torch.ones(1, 3, dtype=torch.bool))
     assert keep.all() and w[0].tolist() == pytest.approx([1.5] * 3)
 
 
 def test_geo_rs_rejects_on_the_geometric_mean_ratio_and_weighs_nothing():
     log_r = t([[0.0005, 0.0005], [0.002, 0.002], [-0.0005, -0.0015]])
     old = torch.zeros(3, 2, dtype=F64)
-    w, keep, _ = behaviour_correction("geo_rs", old, old - log_r, torch.ones(3, 2, dtype=torch.bool))
+    w, keep, _ = behaviour_correction(corr("geo_rs"), old, old - log_r, torch.ones(3, 2, dtype=torch.bool))
     # mean log r .0005 -> ratio 1/r = .9995 in [.999, 1.001]; .002 out; -.001 -> 1.001005 out
     assert keep.tolist() == [[True, True], [False, False], [False, False]]
     assert w.tolist() == [[1.0, 1.0], [0.0, 0.0], [0.0, 0.0]]
@@ -155,18 +157,27 @@ def test_geo_rs_rejects_on_the_geometric_mean_ratio_and_weighs_nothing():
 def test_correction_checks():
     x = torch.zeros(3, dtype=F64)
     mask = torch.ones(3, dtype=torch.bool)
-    with pytest.raises(ValueError, match="must be one of"):
-        behaviour_correction("nope", x, x, mask)
+    with pytest.raises(ValueError, match="correction.method: one of none, tis, decoupled"):
+        behaviour_correction(corr("nope"), x, x, mask)
+    with pytest.raises(ValueError, match="weighs no token by the engine's log-probs"):
+        behaviour_correction(corr("none"), x, x, mask)
+    with pytest.raises(ValueError, match="weighs no token"):
+        behaviour_correction(corr("mask_offpolicy"), x, x, mask)
     with pytest.raises(ValueError, match=r"seq_mis correction needs padded \[batch, tokens\]"):
-        behaviour_correction("seq_mis", x, x, mask)
-    with pytest.raises(ValueError, match="icepop_low must be >= 0 and <= icepop_high"):
-        behaviour_correction("icepop", x, x, mask, icepop_low=3.0, icepop_high=2.0)
+        behaviour_correction(corr("seq_mis"), x, x, mask)
+    with pytest.raises(ValueError, match=r"correction.icepop_low: must be <= correction.icepop_high \(2.0\)"):
+        behaviour_correction(corr("icepop", icepop_low=3.0, icepop_high=2.0), x, x, mask)
+    with pytest.raises(ValueError, match="correction.tis_cap: must be > 0.0, got -1"):
+        behaviour_correction(corr("tis", tis_cap=-1.0), x, x, mask)
     with pytest.raises(ValueError, match="must share one shape"):
-        behaviour_correction("tis", x, x[:2], mask)
+        behaviour_correction(corr("tis"), x, x[:2], mask)
     # garbage in masked positions never leaks
-    w, keep, _ = behaviour_correction("decoupled", t([0.0, math.nan]), t([0.0, math.inf]),
+    w, keep, _ = behaviour_correction(corr("decoupled"), t([0.0, math.nan]), t([0.0, math.inf]),
                                       torch.tensor([True, False]))
     assert w.tolist() == [1.0, 0.0] and keep.tolist() == [True, False]
+    # mask_offpolicy weighs its kept tokens with `then`, by the same definition
+    w, keep, _ = behaviour_correction(corr("mask_offpolicy", then="icepop"), x, x - t([0.0, 1.0, -0.1]), mask)
+    assert w.tolist() == pytest.approx([1.0, 0.0, math.exp(-0.1)]) and keep.all()
 
 
 # --- through the trainer's loss terms -----------------------------------------------------------------------
@@ -185,7 +196,7 @@ def case(n_counts=(3, 4)):
 @pytest.mark.parametrize("kind", ["decoupled", "icepop", "m2po", "seq_mis", "geo_rs"])
 def test_trainer_terms_apply_the_correction_and_its_normaliser(kind):
     lp, old, rollout, adv, mask, counts = case()
-    cfg = TrainerConfig(stale_correction=kind, m2_threshold=0.5)
+    cfg = TrainerConfig(correction=corr(kind, m2_threshold=0.5))
     got = terms(lp, old, rollout, adv, mask, counts, cfg)
     assert "corr_weight_mean_sum" in got.stats
     # the loss masks of m2po (the e^-2 token: m2 = 4, the rest's mean 1/6 < .5), seq_mis (the second sequence:
@@ -197,11 +208,74 @@ def test_trainer_terms_apply_the_correction_and_its_normaliser(kind):
     assert not torch.equal(got.loss_sum.detach(), base.loss_sum.detach())
 
 
-def test_config_needs_engine_log_probs_for_a_correction():
-    with pytest.raises(ConfigError, match="trainer.stale_correction: m2po weighs tokens by the engine's"):
-        TrainerConfig(stale_correction="m2po", use_tis=False).check()
-    with pytest.raises(ConfigError, match="trainer.icepop_low: must be <= trainer.icepop_high"):
-        TrainerConfig(icepop_low=3.0).check()
+def test_config_rules_of_the_correction_section():
+    with pytest.raises(ConfigError, match=r"trainer.correction.icepop_low: must be <= trainer.correction.icepop_high"):
+        TrainerConfig(correction=corr("icepop", icepop_low=3.0)).check()
+    with pytest.raises(ConfigError, match="trainer.correction.then: weighs the tokens slime's mask keeps, so it needs "
+                                          "trainer.correction.method=mask_offpolicy"):
+        TrainerConfig(correction=corr("icepop", then="tis")).check()
+    with pytest.raises(ConfigError, match="trainer.correction.seq_rs_low: must be > 0.0"):
+        TrainerConfig(correction=corr("seq_mis", seq_rs_low=0.0)).check()
+    TrainerConfig(correction=corr("mask_offpolicy", then="seq_mis")).check()
+
+
+def test_the_setting_resolves_to_a_weight_a_mask_and_whether_it_reads_the_engines_log_probs():
+    """The one setting against the three keys it replaces (use_tis, stale_correction, mask_offpolicy), on every
+    combination those accepted: (weight the loss takes, slime's mask, engine log-probs read)."""
+    expect = {"none": (None, False, False), "tis": ("tis", False, True), "mask_offpolicy": (None, True, False)}
+    expect |= {k: (k, False, True) for k in ("decoupled", "icepop", "m2po", "seq_mis", "geo_rs")}
+    assert set(expect) == set(CORRECTIONS)
+    for method, (weight, masks, reads) in expect.items():
+        c = corr(method)
+        assert (c.weighting, c.masks_offpolicy, c.reads_rollout_logprobs) == (weight, masks, reads), method
+    for then in ("tis", "decoupled", "icepop", "m2po", "seq_mis", "geo_rs"):
+        c = corr("mask_offpolicy", then=then)
+        assert (c.weighting, c.masks_offpolicy, c.reads_rollout_logprobs) == (then, True, True)
+
+
+def old_keys_terms(lp, old, rollout, adv, mask, counts, use_tis, stale, knobs):
+    """The loss terms as the three old keys computed them (no correction when use_tis is off, else TIS inside the
+    loss, else the named correction's weight and mask in place of TIS), from the core functions."""
+    from megatron_bridge.policy_loss import _padded
+
+    if not use_tis:
+        return ppo_tis_loss(lp, old, None, adv, mask, global_count=1)[0], int(mask.sum())
+    if stale == "tis":
+        return ppo_tis_loss(lp, old, rollout, adv, mask, tis_cap=knobs.tis_cap, global_count=1)[0], int(mask.sum())
+    if stale in ("seq_mis", "geo_rs"):
+        lp, old, rollout, adv, mask = (_padded(x, counts) for x in (lp, old, rollout, adv, mask))
+    w, keep, _ = behaviour_correction(CorrectionConfig(method=stale, **{
+        k: getattr(knobs, k) for k in ("decoupled_cap", "icepop_low", "icepop_high", "m2_threshold", "seq_is_cap",
+                                       "seq_rs_low", "seq_rs_high", "geo_rs_low", "geo_rs_high")}), old, rollout, mask)
+    keep = mask.bool() & keep
+    return ppo_tis_loss(lp, old, rollout, adv, keep, global_count=1, behaviour_weight=w)[0], int(keep.sum())
+
+
+LEGACY = [(False, "tis", False), (True, "tis", False), *((True, k, False) for k in
+          ("decoupled", "icepop", "m2po", "seq_mis", "geo_rs")), (False, "tis", True), (True, "tis", True),
+          *((True, k, True) for k in ("decoupled", "icepop", "m2po", "seq_mis", "geo_rs"))]
+
+
+@pytest.mark.parametrize("use_tis,stale,mask_offpolicy", LEGACY)
+def test_every_old_combination_keeps_its_loss(use_tis, stale, mask_offpolicy):
+    """(use_tis, stale_correction, mask_offpolicy), each combination the old keys accepted, against the method
+    that replaces it: the same loss, gradient and normaliser (tokens the mask drops are out of `mask` already,
+    as `loss_inputs` hands them to the loss)."""
+    weight = stale if use_tis else "none"
+    c = corr("mask_offpolicy", then=weight) if mask_offpolicy else corr(weight)
+    c.m2_threshold, c.tis_cap = 0.5, 1.5
+    lp, old, rollout, adv, mask, counts = case()
+    if mask_offpolicy:
+        mask = mask & t([1, 1, 0, 1, 1, 1, 0]).bool()  # two carried-over tokens
+    got = terms(lp, old, rollout, adv, mask, counts, TrainerConfig(correction=c))
+    (g_got,) = torch.autograd.grad(got.loss_sum, lp)
+    ref, count = old_keys_terms(lp, old, rollout, adv, mask, counts, use_tis, stale, c)
+    (g_ref,) = torch.autograd.grad(ref, lp)
+    torch.testing.assert_close(got.loss_sum, ref.to(got.loss_sum.dtype))
+    torch.testing.assert_close(g_got, g_ref)
+    assert int(got.count) == count
+    assert ("tis_weight_mean_sum" in got.stats) == (use_tis and stale == "tis")
+    assert ("corr_weight_mean_sum" in got.stats) == (use_tis and stale != "tis")
 
 
 def test_slime_offpolicy_mask_drops_tokens_of_older_versions():
@@ -222,9 +296,10 @@ def test_offpolicy_mask_composes_with_the_sequence_loss_mask():
     mb = MicroBatch.__new__(MicroBatch)
     mb.seq_index = [0, 1]
     old = [np.zeros(3, np.float32), np.zeros(2, np.float32)]
-    x = loss_inputs(seqs, mb, old, use_tis=True, mask_older_than=2)
+    x = loss_inputs(seqs, mb, old, rollout_logprobs=True, mask_older_than=2)
     assert x["mask"].tolist() == [0.0, 1.0, 0.0, 0.0, 0.0]
-    assert loss_inputs(seqs, mb, old, use_tis=True)["mask"].tolist() == [1.0, 1.0, 0.0, 1.0, 1.0]
+    assert loss_inputs(seqs, mb, old, rollout_logprobs=True)["mask"].tolist() == [1.0, 1.0, 0.0, 1.0, 1.0]
+    assert loss_inputs(seqs, mb, old, rollout_logprobs=False)["rollout"] is None
 
 
 # --- SPEC-RL ------------------------------------------------------------------------------------------------
@@ -333,8 +408,8 @@ def test_corrections_and_the_offpolicy_mask_on_the_megatron_trainer():
         s.advantage = [1.0, -1.0, 0.5, -0.5][i]
         g = s.gen_ids.size
         s.rollout_versions = np.where(np.arange(g) < g // 2, 4, 5)  # first half carried over from version 4
-    trainer = MegatronTrainer(tiny_path(), TrainerConfig(micro_batch_tokens=24, lr=1e-2, mask_offpolicy=True,
-                                                         stale_correction="seq_mis", seq_rs_low=0.2))
+    trainer = MegatronTrainer(tiny_path(), TrainerConfig(micro_batch_tokens=24, lr=1e-2, correction=corr(
+        "mask_offpolicy", then="seq_mis", seq_rs_low=0.2)))
     old, _ = trainer.compute_logprobs(seqs)
     counts = [s.gen_ids.size for s in seqs]
     own = sum(int((s.rollout_versions == 5).sum()) for s in seqs)
@@ -346,7 +421,7 @@ def test_corrections_and_the_offpolicy_mask_on_the_megatron_trainer():
     mask = t_([(s.rollout_versions == 5).astype(np.float32) for s in seqs])
     adv = t_([np.full(s.gen_ids.size, s.advantage, np.float32) for s in seqs])
     pad = [_padded(x, counts) for x in (lp, lp, t_([s.rollout_logprobs for s in seqs]), adv, mask)]
-    w, keep, _ = behaviour_correction("seq_mis", pad[1], pad[2], pad[4].bool(), seq_rs_low=0.2)
+    w, keep, _ = behaviour_correction(corr("seq_mis", seq_rs_low=0.2), pad[1], pad[2], pad[4].bool())
     ref, _ = ppo_tis_loss(pad[0], pad[1], None, pad[3], pad[4].bool() & keep, behaviour_weight=w)
     # own tokens e^.3 each: 5 of them give prod 1/r = e^-1.5 = .22 (kept), 6 give e^-1.8 = .17 < .2 (rejected)
     assert int((pad[4].bool() & keep).sum()) == own - 6

@@ -45,7 +45,7 @@ def served_export(tmp_path_factory):
     finally:
         trainer.close()
     cpu_compat.activate()
-    with launch_server(out, engine_args=dict(cfg.rollout.engine_args)) as sp:
+    with launch_server(out, engine_args=cfg.servers.engine_args.args()) as sp:
         yield out, sp
 
 
@@ -58,7 +58,7 @@ def test_train_export_and_eval(served_export, tmp_path):
     for i, p in enumerate(sets.values()):
         p.write_text("".join(json.dumps({"prompt": x.prompt, "label": x.label}) + "\n" for x in ex[i:]))
     sets_arg = "eval.sets={" + ", ".join(f"{k}: {v}" for k, v in sets.items()) + "}"
-    endpoint = f'rollout.endpoints=["{server.endpoint}"]'
+    endpoint = f'servers.endpoints=["{server.endpoint}"]'
     cfg = load_config(None, [*SMALL_RUN, endpoint, "trainer.steps=2", "eval.every=2", "eval.n_samples=2", sets_arg,
                              "log.export_every=1", "log.checkpoint_every=2"])
     run = tmp_path / "run"

@@ -201,7 +201,7 @@ def test_a_paper_config_starts_and_runs_every_phase_within_each_gpu(dry_run, nam
     run, wings = dry_run(name)  # a GPU the order overfills raises GpuMemoryError here, naming phase and holders
     n = len(run.plan.servers)
     assert wings.log == [x.format(n=n) for x in START]
-    assert run.cfg.rollout.engine_args["enable_memory_saver"] is True  # forced: release does nothing without it
+    assert run.cfg.servers.engine_args.enable_memory_saver is True  # forced: release does nothing without it
     del wings.log[:]
     loop = run.loop
     loop.weights.before_training()

@@ -30,7 +30,7 @@ def test_stop_removes_the_start_folder_but_not_a_log_written_into_it(tmp_path, l
 
 
 def test_a_server_past_its_startup_limit_is_stopped_with_its_last_log_lines(tmp_path, monkeypatch):
-    """`rollout.server_startup_s` bounds `rollverify train`'s server start (`start_engine`): a server not serving
+    """`servers.startup_s` bounds `rollverify train`'s server start (`start_engine`): a server not serving
     by then is stopped and the error carries its log's last lines. A plain child process that logs and never
     becomes ready stands in for the server."""
     import psutil
@@ -44,8 +44,8 @@ def test_a_server_past_its_startup_limit_is_stopped_with_its_last_log_lines(tmp_
     script = (f"import os, sys, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); "
               "print('loading weights', flush=True); print('capturing cuda graphs', flush=True); time.sleep(120)")
     monkeypatch.setattr(launch, "server_command", lambda *a, **k: [sys.executable, "-c", script])
-    cfg = load_config("tiny_cpu", ["rollout.server_startup_s=3"])
-    assert load_config("qwen3_8b_base", check_task=False).rollout.server_startup_s == 1800  # a cold 8B start
+    cfg = load_config("tiny_cpu", ["servers.startup_s=3"])
+    assert load_config("qwen3_8b_base", check_task=False).servers.startup_s == 1800  # a cold 8B start
     with pytest.raises(ServerStartError, match=r"not ready after 3 s:\nloading weights\ncapturing cuda graphs"):
         start_engine(cfg, tmp_path, tmp_path)
     pid = int(pid_file.read_text())

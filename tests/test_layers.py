@@ -186,6 +186,28 @@ def test_no_import_cycle():
     assert not found, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)
 
 
+def test_tools_never_import_tests_and_tests_share_helpers_not_test_modules():
+    """What tests share lives in helper modules (tests/fakes.py, engine_fixtures.py, e2e_checks.py, ...), never in
+    a test module another imports; tools stand on the package alone (a test may import a tool it tests)."""
+    test_modules = {p.stem for p in (ROOT / "tests").glob("test_*.py")}
+    bad = []
+    for folder in ("tests", "tools"):
+        for path in sorted((ROOT / folder).glob("*.py")):
+            tree = ast.parse(path.read_text(), filename=str(path))
+            for node in ast.walk(tree):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                         [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                for name in names:
+                    top = name.split(".")[0]
+                    if top in test_modules or (top == "tests" and folder == "tests" and "test_" in name):
+                        bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: imports the test module {name}")
+                    elif folder == "tools" and (top == "tests" or (ROOT / "tests" / f"{top}.py").is_file()):
+                        bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: a tool imports tests' {name}")
+            if folder == "tools" and '"tests"' in path.read_text():
+                bad.append(f"{path.relative_to(ROOT)}: a tool puts tests/ on its import path")
+    assert not bad, "\n".join(bad)
+
+
 def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
     for name, text in files.items():
         p = tmp_path / name

@@ -121,16 +121,16 @@ def test_moe_counts_experts_over_ep():
         ),
         (
             "qwen3_8b_base",
-            ["rollout.max_live=2048", "rollout.engine_args.max_running_requests=256"],
+            ["rollout.max_live=2048", "servers.engine_args.max_running_requests=256"],
             r"KV cache: a server must hold 135 live responses x 32768 tokens = 4423680 tokens, its pool holds "
-            r"\d+ .*set engine_args\.max_running_requests to 25",
+            r"\d+ .*set servers\.engine_args\.max_running_requests to 25",
         ),
-        ("qwen3_8b_base", ["rollout.n_servers=20"], r"20 servers x 2 GPUs = 40 GPUs, more than the 32 GPUs"),
+        ("qwen3_8b_base", ["servers.count=20"], r"20 servers x 2 GPUs = 40 GPUs, more than the 32 GPUs"),
         ("qwen3_8b_base", ["trainer.tp=16", "trainer.dp=2"], r"key-value heads 8 are not both divisible by tp=16"),
         ("tiny_cpu", ["trainer.tp=3"], r"attention heads 4 / key-value heads 2 are not both divisible by tp=3"),
         ("qwen3_8b_base", ["trainer.recompute=none"], r"activations dominate .*set trainer\.recompute=full"),
         ("qwen3_8b_base", ["rollout.max_new_tokens=32768"], r"max_new_tokens = 32768 leaves no room for a prompt"),
-        ("qwen3_8b_base", ["rollout.engine_args.dp_size=2"], r"engine_args\.dp_size = 2: a server's weight updates"),
+        ("qwen3_8b_base", ["servers.engine_args.dp_size=2"], r"engine_args\.dp_size = 2: a server's weight updates"),
         (
             "qwen3_8b_base",
             ["trainer.offload_between_phases=false"],
@@ -147,15 +147,15 @@ def test_broken_variants_are_refused_by_the_cli(name, overrides, message, capsys
 
 def test_disaggregated_and_cpu_cluster_placement():
     p = plan_of("qwen3_8b_base", "cluster.placement=disaggregated", "cluster.rollout_gpus=16", "trainer.dp=8",
-                "rollout.n_servers=8", "rollout.max_live=192")
+                "servers.count=8", "rollout.max_live=192")
     assert p.problems == [] and p.ranks[-1] == (1, 7)
     assert [(s.node, s.gpus[0]) for s in p.servers] == [(2, 0), (2, 2), (2, 4), (2, 6), (3, 0), (3, 2), (3, 4),
                                                         (3, 6)]
     # two simulated CPU nodes (the Ray test's layout): one rank and one server on each
-    q = plan_of("tiny_cpu", "cluster.launcher=ray", "cluster.nodes=2", "trainer.dp=2", "rollout.n_servers=2")
+    q = plan_of("tiny_cpu", "cluster.launcher=ray", "cluster.nodes=2", "trainer.dp=2", "servers.count=2")
     assert q.ranks == [(0, None), (1, None)] and [s.node for s in q.servers] == [0, 1]
     # servers someone else runs are not placed nor sized here
-    e = plan_of("qwen3_8b_base", "rollout.endpoints=[tcp://10.0.0.1:5555]", "rollout.max_live=4096")
+    e = plan_of("qwen3_8b_base", "servers.endpoints=[tcp://10.0.0.1:5555]", "rollout.max_live=4096")
     assert e.servers == [] and e.problems == [] and "not checked" in e.notes[0]
 
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import threading
 
 import pytest
+from e2e_checks import FLOOR, REWARD
 from engine_fixtures import SMALL_RUN
-from test_replay_resume import FLOOR, REWARD
 
 from rollverify.app.config import load_config
 
@@ -29,10 +29,10 @@ SMALL = [
     "cluster.nodes=2",
     "cluster.log_to_driver=false",
     "trainer.dp=2",
-    "rollout.n_servers=2",
-    "rollout.server_timeout_s=900",
-    "rollout.server_startup_s=900",  # the shared 2-core machine can take minutes to start two servers
-    "rollout.engine_args.mem_fraction_static=0.3",  # SGLang's CPU pool check reads free RAM, low on a shared machine
+    "servers.count=2",
+    "servers.timeout_s=900",
+    "servers.startup_s=900",  # the shared 2-core machine can take minutes to start two servers
+    "servers.engine_args.mem_fraction_static=0.3",  # SGLang's CPU pool check reads free RAM, low on a shared machine
 ]
 NODE_CPUS = 3  # one trainer rank + one server per node, and a spare one
 
@@ -167,7 +167,7 @@ def test_a_node_that_does_not_join_in_time_is_named(ray_cluster):
     from rollverify.app.cluster import ClusterError, RayCluster
 
     with pytest.raises(ClusterError, match=r"cluster.nodes = 3 but 2 Ray node\(s\)") as e:
-        RayCluster.start(_plan("cluster.nodes=3", "trainer.dp=3", "rollout.n_servers=3", "cluster.join_timeout_s=1"))
+        RayCluster.start(_plan("cluster.nodes=3", "trainer.dp=3", "servers.count=3", "cluster.join_timeout_s=1"))
     assert "tools/ray_cluster.sh worker" in str(e.value)
 
 
@@ -178,7 +178,7 @@ def test_fewer_gpus_or_cpus_than_the_plan_needs_are_refused_naming_the_node(ray_
     with pytest.raises(ClusterError, match=r"plan node \d needs 1 GPU\(s\) and 2 CPU\(s\).*has 0 GPU\(s\)"):
         RayCluster.start(_plan("cluster.gpus_per_node=1", "cluster.join_timeout_s=5"))
     with pytest.raises(ClusterError, match=r"plan node \d needs 4 CPU\(s\) \(1 trainer rank\(s\), 3 server\(s\)\)"):
-        RayCluster.start(_plan("rollout.n_servers=6", "rollout.max_live=12", "cluster.join_timeout_s=5"))
+        RayCluster.start(_plan("servers.count=6", "rollout.max_live=12", "cluster.join_timeout_s=5"))
     from ray.util import placement_group_table
 
     assert all(pg["state"] == "REMOVED" for pg in placement_group_table().values())  # nothing reserved
@@ -247,7 +247,7 @@ def test_a_killed_trainer_rank_actor_is_replaced_from_the_checkpoint(ray_cluster
 def test_async_schedule_over_two_nodes_with_the_distributed_transport(ray_cluster, tmp_path):
     """algo.schedule: async, disaggregated: the Ray run's own transport (trainer rank 0 broadcasts each version
     over a gloo group to both servers) publishes while the servers generate; every trained token verified."""
-    from test_async_e2e import check_verified, watch_trainer
+    from e2e_checks import check_verified, watch_trainer
 
     from rollverify.app.train import Run
     from rollverify.app.weight_transport import TransportWeights

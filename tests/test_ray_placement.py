@@ -28,7 +28,7 @@ def test_colocated_8b_reserves_every_gpu_once_and_splits_each_between_a_rank_and
 
 def test_disaggregated_8b_puts_the_trainer_on_nodes_0_1_and_the_servers_on_nodes_2_3():
     plan = _plan("qwen3_8b_base", "cluster.placement=disaggregated", "cluster.rollout_gpus=16", "trainer.dp=8",
-                 "rollout.n_servers=8", "rollout.max_live=192")
+                 "servers.count=8", "rollout.max_live=192")
     needs = node_needs(plan)
     assert [(len(n.ranks), len(n.servers), n.gpus) for n in needs] == [
         (8, 0, list(range(8))), (8, 0, list(range(8))), (0, 4, list(range(8))), (0, 4, list(range(8)))]
@@ -61,7 +61,7 @@ def test_the_resource_check_names_the_node_that_falls_short():
 
 
 # the tiny CPU run over two simulated nodes (tests/test_ray_cluster.py's layout): one rank and one server a node
-TINY_TWO_NODES = ["cluster.launcher=ray", "cluster.nodes=2", "trainer.dp=2", "rollout.n_servers=2",
+TINY_TWO_NODES = ["cluster.launcher=ray", "cluster.nodes=2", "trainer.dp=2", "servers.count=2",
                   "rollout.batch_groups=2", "rollout.n=2", "rollout.max_live=8"]
 SIMULATED = ((0, 0), (0, 3), (0, 3))  # what the two-node test cluster shows Ray: a driver-only head, 3 CPUs a node
 
@@ -72,9 +72,9 @@ def test_the_tiny_layout_is_refused_on_a_node_table_that_cannot_host_it():
     needs = lambda *o: node_needs(_plan("tiny_cpu", *TINY_TWO_NODES, *o))  # noqa: E731
     check_resources(needs(), _nodes(*SIMULATED))
     with pytest.raises(ClusterError, match=r"cluster.nodes = 3 but 2 Ray node\(s\)") as e:
-        check_resources(needs("cluster.nodes=3", "trainer.dp=3", "rollout.n_servers=3"), _nodes(*SIMULATED))
+        check_resources(needs("cluster.nodes=3", "trainer.dp=3", "servers.count=3"), _nodes(*SIMULATED))
     assert "tools/ray_cluster.sh worker" in str(e.value)
     with pytest.raises(ClusterError, match=r"plan node \d needs 1 GPU\(s\) and 2 CPU\(s\).*has 0 GPU\(s\)"):
         check_resources(needs("cluster.gpus_per_node=1"), _nodes(*SIMULATED))
     with pytest.raises(ClusterError, match=r"plan node \d needs 4 CPU\(s\) \(1 trainer rank\(s\), 3 server\(s\)\)"):
-        check_resources(needs("rollout.n_servers=6", "rollout.max_live=12"), _nodes(*SIMULATED))
+        check_resources(needs("servers.count=6", "rollout.max_live=12"), _nodes(*SIMULATED))

@@ -8,66 +8,8 @@ import pytest
 
 from rollverify.tasks import math as math_mod
 from rollverify.tasks.math import math_equal, math_reward, normalize_answer
+from rollverify.tasks.math_pairs import PAIRS
 from rollverify.tasks.reward import RewardSpecError, checked_reward, load_reward
-
-# (response, label, correct): the examples first, then the usual forms of right and wrong answers.
-PAIRS = [
-    (r"so $\boxed{\dfrac{\sqrt 3}{2}}$", r"\frac{\sqrt{3}}{2}", True),
-    (r"\boxed{\sqrt8}", r"2\sqrt2", True),
-    (r"\boxed{\pi/2}", r"\frac{\pi}{2}", True),
-    (r"\boxed{1/\sqrt2}", r"\frac{\sqrt{2}}{2}", True),
-    (r"\boxed{\{3, 1, 2\}}", r"\{1,2,3\}", True),
-    (r"\boxed{2, -1}", r"-1, 2", True),
-    (r"\boxed{\text{(B)}}", "B", True),
-    (r"first \boxed{3}, corrected: \boxed{5}", "5", True),
-    (r"\boxed{0.5}", r"\frac12", True),
-    (r"\boxed{50\%}", "50", True),
-    (r"\boxed{1,000}", "1000", True),
-    ("so...\nAnswer: 34", "34", True),
-    (r"\boxed{x = 5}", "5", True),
-    (r"\boxed{5 \text{ cm}}", "5", True),
-    (r"\boxed{90^\circ}", "90", True),
-    (r"\boxed{\frac{2}{4}}", r"\frac{1}{2}", True),
-    (r"\boxed{2\pi}", r"2 \pi", True),
-    (r"\boxed{(1, 2)}", "(1,2)", True),
-    (r"\boxed{\sqrt{2}/2}", r"\frac{\sqrt2}{2}", True),
-    (r"\boxed{3\sqrt{3}}", r"\sqrt{27}", True),
-    (r"\boxed{x^2+2x+1}", "(x+1)^2", True),
-    (r"\boxed{\frac{1}{\sqrt{3}}}", r"\frac{\sqrt3}{3}", True),
-    (r"\boxed{-\frac{3}{4}}", "-0.75", True),
-    (r"\boxed{e^{2}}", "e^2", True),
-    (r"\boxed{[1, 3)}", "[1,3)", True),
-    (r"\boxed{\infty}", r"\infty", True),
-    (r"\boxed{10^{3}}", "1000", True),
-    (r"\boxed{\dfrac{7}{2}}", "3.5", True),
-    (r"\boxed{2\sqrt{2}}", r"\sqrt{8}", True),
-    (r"\boxed{\text{C}}", "C", True),
-    (r"\boxed{(C)}", "C", True),
-    (r"\boxed{\$18.90}", "18.9", True),
-    (r"The answer is $\boxed{\tfrac{5}{6}}$.", r"\frac56", True),
-    (r"Answer: $\frac{\sqrt 2}{2}$", r"\frac{1}{\sqrt{2}}", True),
-    (r"\boxed{\sqrt{3}+1}", r"1+\sqrt3", True),
-    (r"\boxed{\frac{3\sqrt 5}{5}}", r"\frac{3}{\sqrt{5}}", True),
-    (r"\boxed{\sqrt 3}", "3", False),
-    (r"\boxed{2\sqrt3}", r"\sqrt{6}", False),
-    (r"\boxed{\frac{\pi}{2}}", r"\pi", False),
-    (r"\boxed{0.33}", r"\frac13", False),
-    (r"\boxed{\{1,2\}}", r"\{1,2,3\}", False),
-    (r"\boxed{B}", "C", False),
-    (r"\boxed{34}", "43", False),
-    ("I think it is 5", "5", False),
-    (r"\boxed{-5}", "5", False),
-    (r"\boxed{x+1}", "x-1", False),
-    (r"\boxed{10}", "100", False),
-    (r"\boxed{1/2}", "2", False),
-    (r"first \boxed{3}, corrected: \boxed{5}", "3", False),
-    (r"\boxed{}", "0", False),
-    (r"\boxed{\infty}", r"-\infty", False),
-    (r"\boxed{e^3}", "e^2", False),
-    (r"\boxed{[1,3]}", "[1,3)", False),
-    (r"\boxed{\sqrt{2}}", r"\frac{\sqrt{2}}{2}", False),
-    (r"\boxed{\text{(A)}}", "B", False),
-]
 
 
 def _pid(p):

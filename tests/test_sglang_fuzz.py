@@ -4,7 +4,8 @@ nothing a client sends leaves a response in a state that only `drop` can clear.
 A seeded generator of hostile frames and op sequences runs against the fake engine for volume and against the
 real SGLang engine (tiny MoE) for a short run; after each batch the server must answer `health`, its stats must
 agree with its cache, every live response must pause and truncate, and the documented happy path must work.
-The six reproducers of issue 15 are regression tests here, the SGLang-killing ones against the real engine.
+Six hostile frames and op sequences that must neither kill nor wedge a server are regression tests here (the
+reproducers); those that reach SGLang run against the real engine.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import math
 import os
 import random
+import re
 import time
 from typing import Any
 
@@ -32,12 +34,53 @@ CODES = {v for k, v in vars(ErrorCode).items() if k.isupper()}
 NO_ID = object()  # a frame whose id the reply cannot echo (unreadable, or none was sent)
 HOSTILE = [
     True, False, 1.0, -0.0, 0.5, "1", "", None, [], {}, [1], {"a": 1}, -1, 0, 1, 2**31 - 1, 2**31,
-    2**63 - 1, -(2**63), 1e308, -1e308, 5e-324, "a\ud800b", "x" * 2000,
+    2**63 - 1, -(2**63), 1e308, -1e308, 5e-324, "a\ud800b", "x" * 2000, "t" * 64, "t" * 65,
 ]  # fmt: skip
 
 
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+
+
+def _unicode(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def doc_echo(header: bytes) -> tuple[Any, str | None]:
+    """The (id, type) a reply to a request with this header frame carries, by docs/protocol.md's rule ("Errors"),
+    written from the doc alone: the header could be read when it is a JSON object of at most 16 MiB of strict
+    UTF-8 nested at most 16 deep; then `id` is echoed as sent when it is an int64 or a string of at most 256
+    characters of valid Unicode, `type` whole when it is a string of at most 64 characters of valid Unicode."""
+    if len(header) > 16 << 20:
+        return None, None
+    try:
+        text = header.decode("utf-8")
+    except UnicodeDecodeError:
+        return None, None
+    depth = deepest = 0
+    for c in _STRING.sub("", text):
+        depth += (c in "[{") - (c in "]}")
+        deepest = max(deepest, depth)
+    if deepest > 16:
+        return None, None
+    try:  # numbers it may not hold elsewhere do not stop the id and type being read
+        obj = json.loads(text, parse_int=lambda s: int(s) if len(s) <= 20 else None)
+    except ValueError:
+        return None, None
+    if not isinstance(obj, dict):
+        return None, None
+    i, t = obj.get("id"), obj.get("type")
+    ok_id = (type(i) is int and -(2**63) <= i < 2**63) or (type(i) is str and len(i) <= 256 and _unicode(i))
+    ok_type = type(t) is str and len(t) <= 64 and _unicode(t)
+    return (i if ok_id else None), (t if ok_type else None)
+
+
 class Wire:
-    """A raw DEALER socket: sends any frames, expects exactly one decodable reply to each."""
+    """A raw DEALER socket: sends any frames, expects exactly one decodable reply to each, whose `id` and `type`
+    are what the doc says a reply to them echoes (`doc_echo`)."""
 
     def __init__(self, endpoint: str, timeout_s: float = 60.0):
         self.ctx = zmq.Context()
@@ -64,6 +107,10 @@ class Wire:
         decode(reply)  # a reply always decodes
         head = json.loads(reply[0])
         assert "id" in head and isinstance(head["ok"], bool), head
+        echo_id, echo_type = doc_echo(frames[0])
+        assert head["id"] == echo_id and type(head["id"]) is type(echo_id), (head, frames[0][:200])
+        assert head.get("type", None) == echo_type and ("type" in head) == (echo_type is not None), (
+            {k: (v[:80] if isinstance(v, str) else v) for k, v in head.items()}, frames[0][:200])
         if expect_id is not NO_ID:
             assert head["id"] == expect_id, (head, frames[0][:200])
         if not head["ok"]:
@@ -427,6 +474,15 @@ def test_replies_and_schemas_follow_the_doc():
             assert h["error"]["code"] == "PROTOCOL_VERSION"
             h = w.raw([b"{not json"])
             assert h["id"] is None and "type" not in h
+            # a type is echoed whole or not at all: an unknown one of 64 characters whole, a longer one refused
+            h = w.raw([json.dumps({"proto": 1, "id": 8, "type": "t" * 64}).encode()], 8)
+            assert h["type"] == "t" * 64 and h["error"]["code"] == "UNKNOWN_TYPE"
+            for head in ({"proto": 1, "id": 8, "type": "t" * 65}, {"proto": 2, "id": 8, "type": "t" * 5000}):
+                h = w.raw([json.dumps(head).encode()], 8)
+                assert "type" not in h and h["error"]["code"] in ("MALFORMED", "PROTOCOL_VERSION"), h
+            # an id is echoed as sent: "1" stays a string
+            h = w.raw([b'{"proto": 1, "id": "1", "type": "nope"}'], "1")
+            assert h["type"] == "nope" and h["error"]["code"] == "UNKNOWN_TYPE"
             for field in ('"ok": true', '"error": {"code": "X"}'):
                 h = w.raw([f'{{"proto": 1, "id": 5, "type": "stats", {field}}}'.encode()], 5)
                 assert h["error"]["code"] == "MALFORMED" and "belong to replies" in h["error"]["message"]

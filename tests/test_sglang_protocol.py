@@ -100,6 +100,8 @@ def test_malformed_frames_name_the_problem(frames, code, words):
         (b'{"proto": 1, "id": true, "type": "health"}', "id", None, "health"),
         (b'{"proto": 1, "id": 1.0, "type": "health"}', "id", None, "health"),
         (b'{"proto": 1.0, "id": 4, "type": "health"}', "1.0", 4, "health"),
+        (b'{"proto": 1, "id": 4, "type": "' + b"t" * 65 + b'"}', "at most 64 characters", 4, None),
+        (b'{"proto": 2, "id": 4, "type": "' + b"t" * 65 + b'"}', "not supported", 4, None),
     ],
 )
 def test_header_limits_and_strict_types(head, words, req_id, req_type):
@@ -535,3 +537,23 @@ def test_engine_revival_and_bfloat16_weights_on_fake_engine():
         for rid, n, k in (("0-0", 30, 10), ("1-0", 400, 1)):
             r = buffer.get(rid)
             assert r.num_tokens == n and (r.versions[:1] == 0).all() and (r.versions[k:] == 3).all()
+
+
+def test_a_tokens_version_means_one_thing_in_the_core_and_on_the_wire():
+    """An environment token's version is one value in the controller's records and on the wire, and differs from
+    the wire's 'unknown' and from every policy version; a carried response is submitted with its versions as
+    they are."""
+    from rollverify.types import ENV_VERSION as CORE_ENV_VERSION
+    from rollverify.types import Response
+    from sglang_ext.protocol import ENV_VERSION, UNKNOWN_VERSION
+    from sglang_ext.rollout_engine import _request
+
+    assert CORE_ENV_VERSION == ENV_VERSION < 0 and UNKNOWN_VERSION < 0 and ENV_VERSION != UNKNOWN_VERSION
+    r = Response(group_id=0, index=0, prompt_ids=[1, 2], max_new_tokens=64)
+    r.append([5, 6], [-0.5, -0.4], 3, finished=False)
+    r.append_environment([7, 8, 9])
+    r.append([10], [-0.1], 4, finished=False)
+    assert r.versions.tolist() == [3, 3, ENV_VERSION, ENV_VERSION, ENV_VERSION, 4]
+    req = _request(r)
+    assert np.asarray(req.prefix_versions).tolist() == r.versions.tolist()
+

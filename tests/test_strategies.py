@@ -239,7 +239,21 @@ def test_config_validation_names_the_key(key, value, match):
         AlgoConfig(**{key: value})
 
 
-def test_config_from_dict():
-    assert AlgoConfig.from_dict({"mode": "partial", "d_s": INF}).d_s == INF
-    with pytest.raises(ValueError, match="algo.window is not a setting; allowed: mode, d_s"):
-        AlgoConfig.from_dict({"window": 8})
+def test_the_module_doc_lists_every_mode():
+    import rollverify.strategies as strategies
+
+    listed = [line.split()[0] for line in strategies.__doc__.splitlines()[2:] if line.startswith("  ") and
+              line.split() and not line.startswith("   ")]
+    assert listed == list(strategies.MODES)
+
+
+
+def test_every_threshold_default_is_the_papers_one_constant():
+    import inspect
+
+    from rollverify.verify import D_S, D_T, two_stage_verify, two_stage_verify_ops
+
+    assert (AlgoConfig().d_s, AlgoConfig().d_t) == (D_S, D_T) == (0.01, 2.0)
+    for fn in (RollVerify.__init__, two_stage_verify, two_stage_verify_ops):
+        params = inspect.signature(fn).parameters
+        assert (params["d_s"].default, params["d_t"].default) == (D_S, D_T), fn

@@ -12,7 +12,7 @@ import pytest
 
 from rollverify.environment.code_reward import CodeTests, code_reward
 from rollverify.environment.limits import MIB, SandboxLimits
-from rollverify.environment.runner import ToolConfig, ToolRunner
+from rollverify.environment.runner import RunnerLimits, ToolRunner
 from rollverify.environment.sandbox import Sandbox
 from rollverify.environment.tool_calls import (
     STOP_STRINGS,
@@ -183,7 +183,7 @@ def test_calls_run_concurrently_while_the_caller_goes_on():
     n = 8
     # Each call waits until all n run at once (a pool that ran fewer would fail them), then takes 0.3 s.
     tool = SleepTool(seconds=0.3, together=n)
-    with ToolRunner(ToolRegistry([tool]), ToolConfig(max_workers=n, time_limit_s=20)) as runner:
+    with ToolRunner(ToolRegistry([tool]), RunnerLimits(max_workers=n, time_limit_s=20)) as runner:
         start = time.monotonic()
         futures = [runner.submit(call("sleep", i, i=i)) for i in range(n)]
         assert not any(f.done() for f in futures), "submit must return before its call ends"
@@ -198,7 +198,7 @@ def test_calls_run_concurrently_while_the_caller_goes_on():
 
 def test_a_pool_of_one_runs_calls_one_after_another():
     tool = SleepTool(seconds=0.05)
-    with ToolRunner(ToolRegistry([tool]), ToolConfig(max_workers=1, time_limit_s=5)) as runner:
+    with ToolRunner(ToolRegistry([tool]), RunnerLimits(max_workers=1, time_limit_s=5)) as runner:
         results = runner.run_all([call("sleep", i) for i in range(3)])
     assert all(r.ok for r in results) and tool.peak == 1
 
@@ -207,7 +207,7 @@ def test_the_pool_bounds_how_many_run_at_once_and_queued_calls_do_not_time_out()
     tool = SleepTool(seconds=0.2)
     # Eight calls of 0.2 s on two threads take 0.8 s, past the 0.6 s deadline if it counted from submit: only a
     # deadline counted from each call's own start lets the last queued ones succeed.
-    with ToolRunner(ToolRegistry([tool]), ToolConfig(max_workers=2, time_limit_s=0.5, grace_s=0.1)) as runner:
+    with ToolRunner(ToolRegistry([tool]), RunnerLimits(max_workers=2, time_limit_s=0.5, grace_s=0.1)) as runner:
         results = runner.run_all([call("sleep", i) for i in range(8)])
     assert [r.error for r in results] == [None] * 8 and tool.peak == 2
     assert max(r.seconds for r in results) >= 0.6
@@ -215,7 +215,7 @@ def test_the_pool_bounds_how_many_run_at_once_and_queued_calls_do_not_time_out()
 
 def test_closing_the_runner_resolves_queued_calls():
     tool = SleepTool(seconds=60)
-    runner = ToolRunner(ToolRegistry([tool]), ToolConfig(max_workers=1, time_limit_s=60))
+    runner = ToolRunner(ToolRegistry([tool]), RunnerLimits(max_workers=1, time_limit_s=60))
     running, queued = runner.submit(call("sleep", 0)), runner.submit(call("sleep", 1))
     deadline = time.monotonic() + 5
     while not tool.running and time.monotonic() < deadline:
@@ -230,7 +230,7 @@ def test_closing_the_runner_resolves_queued_calls():
 def test_errors_and_time_outs_become_environment_text_delivered_once():
     slow = SleepTool(name="slow", seconds=60)
     reg = ToolRegistry([slow, CrashTool()])
-    with ToolRunner(reg, ToolConfig(time_limit_s=0.3, grace_s=0.1, max_workers=4)) as runner:
+    with ToolRunner(reg, RunnerLimits(time_limit_s=0.3, grace_s=0.1, max_workers=4)) as runner:
         start = time.monotonic()
         timed = runner.submit(call("slow"))
         crashed = runner.submit(call("crash"))
@@ -266,7 +266,7 @@ def test_environment_text_is_capped_per_call():
 
     tokens = lambda s: len(s) // 4  # noqa: E731 - a stand-in tokenizer: four characters a token
     with ToolRunner(
-        ToolRegistry([Loud()]), ToolConfig(max_env_chars=1000, max_env_tokens=100), count_tokens=tokens
+        ToolRegistry([Loud()]), RunnerLimits(max_env_chars=1000, max_env_tokens=100), count_tokens=tokens
     ) as r:
         (res,) = r.run_all([call("loud")])
     assert (
@@ -277,11 +277,11 @@ def test_environment_text_is_capped_per_call():
         and res.ok
     )
     with pytest.raises(ValueError, match="count_tokens"):
-        ToolRunner(ToolRegistry(), ToolConfig(max_env_tokens=100))
+        ToolRunner(ToolRegistry(), RunnerLimits(max_env_tokens=100))
     with pytest.raises(ValueError, match="max_workers"):
-        ToolConfig(max_workers=0)
+        RunnerLimits(max_workers=0)
     with pytest.raises(ValueError, match="time_limit_s"):
-        ToolConfig(time_limit_s=0)
+        RunnerLimits(time_limit_s=0)
 
 
 # --- the Python tool and the code reward (real sandbox) ------------------------------------------------------
@@ -307,7 +307,7 @@ def test_a_policy_turn_runs_in_the_python_tool_and_its_output_follows_the_turn(l
         + format_tool_call("python", {"code": "import time\nwhile True:\n    time.sleep(1)"})
         + "\n<tool_call>\n{broken\n</tool_call>"
     )
-    with ToolRunner(reg, ToolConfig(time_limit_s=6, grace_s=5, max_workers=3)) as runner:
+    with ToolRunner(reg, RunnerLimits(time_limit_s=6, grace_s=5, max_workers=3)) as runner:
         turn_result = runner.submit_turn(turn, turn_closed=False).result(timeout=60)
     ok, looped, broken = turn_result.results
     assert ok.ok and ok.text == "45"

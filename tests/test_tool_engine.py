@@ -10,7 +10,7 @@ import pytest
 from engine_fixtures import hf_forward, reset_server, run, same_routes
 
 from sglang_ext.client import ControlError, ServerConnection, SubmitRequest
-from sglang_ext.protocol import ENV_VERSION, ErrorCode, WireSamplingParams
+from sglang_ext.protocol import ENV_VERSION, UNKNOWN_VERSION, ErrorCode, WireSamplingParams
 
 pytest_plugins = ["engine_fixtures"]
 pytestmark = pytest.mark.engine
@@ -114,7 +114,7 @@ def test_append_to_a_paused_response_waits_for_resume_and_bad_appends_change_not
             assert out.offset == 4 and len(out.token_ids) == 1
             batch, _ = await conn.fetch(["p"])
             (fetched,) = batch.outputs()
-            assert fetched.versions[:4].tolist() == [-1, -1, ENV_VERSION, ENV_VERSION]
+            assert fetched.versions[:4].tolist() == [UNKNOWN_VERSION] * 2 + [ENV_VERSION] * 2
             # a generating response is refused
             await conn.submit([SubmitRequest("r", PROMPT, 64)], WireSamplingParams(temperature=1.0))
             with pytest.raises(ControlError) as e:

@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 import pytest
+from fakes import ScriptedEngine, ScriptedTrainer
 
 from rollverify.buffer import RolloutBuffer
 from rollverify.environment.tool_calls import TOOL_CALL_CLOSE, format_tool_call
@@ -22,7 +23,6 @@ from rollverify.rollout import Rollout, RolloutConfig
 from rollverify.strategies import AlgoConfig
 from rollverify.tool_turns import ToolsConfig, ToolTurns
 from rollverify.types import ENVIRONMENT, POLICY, Group
-from tests.test_loop_logic import ScriptedEngine, ScriptedTrainer
 
 STOP = 99  # the tool-call tag's one token
 ENV_LEN = 8  # words of one echo output's environment text (its tool-response turn and the next prompt)

@@ -1,4 +1,4 @@
-"""Multi-turn tool use end to end (issue 28): `rollverify train` on the tool task with a real SGLang server and
+"""Multi-turn tool use end to end: `rollverify train` on the tool task with a real SGLang server and
 the real Megatron-Core trainer on the tiny models.
 
 The dense model is warm-started on `toolchain` (it calls the tool in the Qwen3 format); the MoE model is left
@@ -36,7 +36,7 @@ def _launch(overrides):
 
     cpu_compat.activate()
     cfg = load_config("tiny_tools", overrides)
-    return launch_server(resolve_model(cfg), engine_args=dict(cfg.rollout.engine_args))
+    return launch_server(resolve_model(cfg), engine_args=cfg.servers.engine_args.args())
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def moe():
 
 
 def run(server, tmp_path, *overrides, steps=2, name="run", resume=None):
-    cfg = load_config("tiny_tools", [*BASE, f"trainer.steps={steps}", f'rollout.endpoints=["{server.endpoint}"]',
+    cfg = load_config("tiny_tools", [*BASE, f"trainer.steps={steps}", f'servers.endpoints=["{server.endpoint}"]',
                                      *overrides])
     out = tmp_path / name
     summary = train(cfg, out, resume=resume, progress=False)
@@ -173,7 +173,7 @@ def test_the_asynchronous_schedule_runs_tool_turns_and_a_call_in_flight_at_a_pub
     from rollverify.app.train import Run
     from rollverify.verify import two_stage_verify
 
-    cfg = load_config("tiny_tools", [*BASE, "trainer.steps=4", f'rollout.endpoints=["{dense.endpoint}"]',
+    cfg = load_config("tiny_tools", [*BASE, "trainer.steps=4", f'servers.endpoints=["{dense.endpoint}"]',
                                      "algo.schedule=async", "cluster.placement=disaggregated", "algo.mode=rollverify",
                                      "algo.conditional_switch=false", "trainer.lr=1e-6"])
     (tmp_path / "run").mkdir()

@@ -1,4 +1,4 @@
-"""The trainer on responses of policy and environment tokens (issue 28): log-probs recomputed over the whole
+"""The trainer on responses of policy and environment tokens: log-probs recomputed over the whole
 sequence, only policy tokens trained (loss mask), TIS, the token-mean denominator and the mismatch figures over
 policy tokens; environment tokens get no gradient."""
 
@@ -17,7 +17,7 @@ ENV = slice(3, 7)  # tokens 3-6 of the 9-token sequence are a tool's output
 def _responses(path, env_logprobs: float = np.nan):
     """Four responses (6, 9, 3, 12 tokens); the second holds 4 environment tokens with `env_logprobs` (NaN: as
     the rollout records them) where the engine would have a log-prob."""
-    from rollverify.types import ENVIRONMENT, NO_VERSION, Response
+    from rollverify.types import ENV_VERSION, ENVIRONMENT, Response
 
     seqs = fixed_sequences(4)
     lps, _ = hf_token_logprobs(path, seqs)
@@ -27,7 +27,7 @@ def _responses(path, env_logprobs: float = np.nan):
         src = np.zeros(len(lp), np.uint8)
         ver = np.zeros(len(lp), np.int64)
         if i == 1:
-            lp[ENV], src[ENV], ver[ENV] = env_logprobs, ENVIRONMENT, NO_VERSION
+            lp[ENV], src[ENV], ver[ENV] = env_logprobs, ENVIRONMENT, ENV_VERSION
         out.append(Response(0, i, s.prompt_ids, 64, token_ids=s.gen_ids, logprobs=lp, versions=ver, sources=src,
                             finished=True, finish_reason="stop"))
     return out

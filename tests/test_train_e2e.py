@@ -1,6 +1,6 @@
 """`rollverify train` end to end: real SGLang server, real Megatron-Core trainer, the tiny task model.
 
-One server is shared by the module (runs connect to it through `rollout.endpoints`, and each run pushes its
+One server is shared by the module (runs connect to it through `servers.endpoints`, and each run pushes its
 trainer's initial weights first); every run checks the accounting invariant after every step (Loop.run_step).
 """
 
@@ -35,13 +35,13 @@ def server():
 
     cpu_compat.activate()
     path = resolve_model(load_config(None, SMALL))
-    engine_args = load_config(None, SMALL).rollout.engine_args
-    with launch_server(path, engine_args=dict(engine_args)) as sp:
+    engine_args = load_config(None, SMALL).servers.engine_args
+    with launch_server(path, engine_args=engine_args.args()) as sp:
         yield sp
 
 
 def run(server, tmp_path, *overrides: str, steps: int = 2, name: str = "run"):
-    cfg = load_config(None, [*SMALL, f"trainer.steps={steps}", f"rollout.endpoints=[\"{server.endpoint}\"]",
+    cfg = load_config(None, [*SMALL, f"trainer.steps={steps}", f"servers.endpoints=[\"{server.endpoint}\"]",
                              *overrides])
     out = tmp_path / name
     summary = train(cfg, out, progress=False)
@@ -79,7 +79,7 @@ def test_resume_continues_from_the_checkpoint(server, tmp_path):
     _, rows, out = run(server, tmp_path, "algo.mode=rollverify", "log.checkpoint_every=1", steps=2, name="a")
     saved = json.loads((out / "checkpoint" / "loop.json").read_text())
     assert saved["step"] == 2 and saved["version"] == 2
-    cfg = load_config(None, [*SMALL, "trainer.steps=3", f"rollout.endpoints=[\"{server.endpoint}\"]",
+    cfg = load_config(None, [*SMALL, "trainer.steps=3", f"servers.endpoints=[\"{server.endpoint}\"]",
                              "algo.mode=rollverify", "log.checkpoint_every=1"])
     summary = train(cfg, out, resume=out, progress=False)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -215,7 +215,7 @@ def test_engine_side_verification_matches_the_trainer_with_exact_accounting(serv
     from rollverify.strategies import RollVerify
     from rollverify.verify import token_ops
 
-    cfg = load_config(None, [*SMALL, "trainer.steps=3", f"rollout.endpoints=[\"{server.endpoint}\"]",
+    cfg = load_config(None, [*SMALL, "trainer.steps=3", f"servers.endpoints=[\"{server.endpoint}\"]",
                              "algo.mode=rollverify", "algo.verify_on=engine", "algo.conditional_switch=false",
                              "algo.d_s=inf", "algo.d_t=inf", "trainer.lr=1e-3"])
     run_ = Run(cfg, tmp_path / "run")

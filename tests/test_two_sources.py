@@ -1,4 +1,4 @@
-"""Responses of policy and environment tokens (issue 28): every per-token field is cut together, verification
+"""Responses of policy and environment tokens: every per-token field is cut together, verification
 reads policy tokens only, a cut removes the environment tokens after it, and a checkpoint keeps the source."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 
 from rollverify.buffer import RolloutBuffer
 from rollverify.strategies import AlgoConfig, RollVerify, make_strategy
-from rollverify.types import ENVIRONMENT, NO_VERSION, POLICY, Group, Response, VerifyBatch
-from tests.reference_verify import reference_verify_sources
+from rollverify.types import ENV_VERSION, ENVIRONMENT, POLICY, Group, Response, VerifyBatch
+from rollverify.verify_reference import reference_verify_sources
 
 
 def tool_response(routes: bool = False) -> Response:
@@ -28,10 +28,10 @@ def tool_response(routes: bool = False) -> Response:
 def test_environment_tokens_carry_no_logprob_or_version_and_are_cut_with_the_rest():
     r = tool_response(routes=True)
     assert r.sources.tolist() == [0] * 5 + [1] * 4 + [0] * 3
-    assert np.isnan(r.logprobs[5:9]).all() and (r.versions[5:9] == NO_VERSION).all()
+    assert np.isnan(r.logprobs[5:9]).all() and (r.versions[5:9] == ENV_VERSION).all()
     assert (r.routed_experts[5:9] == -1).all()  # unknown until the engine prefills them
     assert (r.num_policy_tokens, r.num_env_tokens, r.num_env_runs) == (8, 4, 1)
-    assert r.staleness(3) == 3  # the oldest *policy* token, not NO_VERSION
+    assert r.staleness(3) == 3  # the oldest *policy* token, not ENV_VERSION
     assert not r.finished
     cut = r.truncate(7)  # inside the output: every field together
     assert cut == 5 and r.num_tokens == 7
@@ -111,7 +111,7 @@ def test_filters_and_switch_count_policy_tokens_only():
     out = make_strategy("ops_filter", AlgoConfig(ops_gamma=0.01)).apply([r], [new], 2)
     assert out.keep_lengths.tolist() == [12]  # the env tokens' wild values do not enter the mean
     out = make_strategy("staleness_filter", AlgoConfig(staleness_s=2)).apply([r], None, 2)
-    assert out.keep_lengths.tolist() == [12]  # staleness 2 from the v0 policy tokens, not from NO_VERSION
+    assert out.keep_lengths.tolist() == [12]  # staleness 2 from the v0 policy tokens, not from ENV_VERSION
     out = make_strategy("staleness_filter", AlgoConfig(staleness_s=1)).apply([r], None, 2)
     assert out.keep_lengths.tolist() == [0]
     out = make_strategy("partial").apply([r], None, 2)

@@ -12,9 +12,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference_verify import reference_token_ops, reference_verify, reference_verify_ops
 
 from rollverify.verify import ROW, token_ops, two_stage_verify, two_stage_verify_ops
+from rollverify.verify_reference import reference_token_ops, reference_verify, reference_verify_ops
 
 INF, NAN = math.inf, math.nan
 SETTINGS = settings(max_examples=200, deadline=None)

@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 from engine_fixtures import FakeEngine, FakeServer, run
-from test_loop_logic import ScriptedEngine, ScriptedTrainer
+from fakes import ScriptedEngine, ScriptedTrainer
 
 from rollverify.app.config import ConfigError, load_config
 from rollverify.buffer import RolloutBuffer

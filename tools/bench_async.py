@@ -1,4 +1,4 @@
-"""The asynchronous schedule against the alternating loop and on-policy on this machine (issue 29, item 3).
+"""The asynchronous schedule against the alternating loop and on-policy on this machine.
 
     python tools/bench_async.py --out runs/bench_async --seeds 3 4 5 --steps 12
     python tools/bench_async.py --out runs/bench_async --variants async_rollverify rollverify --seeds 3 --steps 4

@@ -3,7 +3,7 @@
 Compares, in one run on one device:
   verify     rollverify.verify.two_stage_verify on the whole batch
   floor      reading the same input bytes once (a sum over old, new log-probs and versions): the memory floor
-  reference  the per-token Python reference (tests/reference_verify.py), timed on a subsample of whole
+  reference  the per-token Python reference (rollverify/verify_reference.py), timed on a subsample of whole
              responses and extrapolated per token (it is far too slow for the full batch)
 
 Targets: verify <= 3x the floor, and >= 100x faster than the reference. Times are best-of-N wall-clock
@@ -31,10 +31,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from reference_verify import reference_verify  # noqa: E402
-
-from rollverify.verify import two_stage_verify  # noqa: E402
+from rollverify.verify import D_S, D_T, two_stage_verify
+from rollverify.verify_reference import reference_verify
 
 
 def make_batch(responses: int, mean_len: int, max_len: int, max_segments: int, seed: int):
@@ -100,8 +98,8 @@ def main() -> None:
     p.add_argument("--mean-len", type=int, default=8192)
     p.add_argument("--max-len", type=int, default=32768)
     p.add_argument("--max-segments", type=int, default=6)
-    p.add_argument("--d-s", type=float, default=0.01)
-    p.add_argument("--d-t", type=float, default=2.0)
+    p.add_argument("--d-s", type=float, default=D_S)
+    p.add_argument("--d-t", type=float, default=D_T)
     p.add_argument("--device", default="cpu")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--ref-tokens", type=int, default=300_000, help="reference subsample size (whole responses)")

@@ -52,8 +52,8 @@ RUN = [
     "log.export_final=false",
     "trainer.dist_timeout_s=60",
     "trainer.call_timeout_s=300",  # a silent rank (a dead one is noticed at once); start-up on a loaded machine
-    "rollout.server_startup_s=900",  # a server start: minutes on a loaded machine
-    "rollout.engine_args.mem_fraction_static=0.3",  # SGLang's CPU pool check reads free RAM, low on a shared machine
+    "servers.startup_s=900",  # a server start: minutes on a loaded machine
+    "servers.engine_args.mem_fraction_static=0.3",  # SGLang's CPU pool check reads free RAM, low on a shared machine
 ]
 
 
@@ -203,7 +203,7 @@ class Chaos:
                     f"log.checkpoint_every={self.a.checkpoint_every}", f"recovery.max_restarts={self.a.ranks + 2}",
                     f"seed={self.a.seed}"]
             if self.a.endpoint:
-                cmd.append(f'rollout.endpoints=["{self.a.endpoint}"]')
+                cmd.append(f'servers.endpoints=["{self.a.endpoint}"]')
         log = open(self.out.parent / f"{self.out.name}.driver{self.drivers}.log", "w")  # noqa: SIM115
         self.driver = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                        env=self.env, cwd=ROOT)
@@ -516,7 +516,7 @@ def main() -> int:
     p.add_argument("--tmpfs-mb", type=int, default=32)
     p.add_argument("--timeout-s", type=float, default=900.0, help="most seconds to wait for any one step")
     p.add_argument("--python", default=None, help="interpreter of the run (default: this one)")
-    p.add_argument("--endpoint", default=None, help="run on this running server (rollout.endpoints); --servers 0")
+    p.add_argument("--endpoint", default=None, help="run on this running server (servers.endpoints); --servers 0")
     p.add_argument("--no-load-check", dest="load_check", action="store_false",
                    help="skip loading the final checkpoint into a fresh trainer (rollverify export)")
     a = p.parse_args()

@@ -3,7 +3,7 @@
     for s in 0 1 2; do rollverify demo --modes on_policy partial rollverify --out runs/seeds/s$s seed=$s; done
     python tools/compare_seeds.py runs/seeds/s0 runs/seeds/s1 runs/seeds/s2 --json runs/seeds/summary.json
 
-Against the targets of issues 5 and 17 it prints, each per seed and as mean [min, max] over the seeds:
+Against the project's targets for RollVerify it prints, each per seed and as mean [min, max] over the seeds:
 RollVerify's decode iterations per step over on-policy's (the hardware-neutral rollout time: the engine's
 sequential decode iterations, what rollout time follows on a GPU) and its wall step time over on-policy's (this
 machine's), whether its eval reward lies within on-policy's spread over the seeds (each eval figure with its

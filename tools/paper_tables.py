@@ -47,12 +47,12 @@ RUNS: dict[str, list[str]] = {
     "partial_vespo": [*PARTIAL, "trainer.loss=vespo"],
     # the field's stale-token corrections on partial rollout (rollverify.losses.behaviour_correction; SPEC-RL
     # re-scores and cuts carried responses, like RollVerify, with its own rule)
-    "partial_mask_offpolicy": [*PARTIAL, "trainer.mask_offpolicy=true"],
-    "partial_decoupled": [*PARTIAL, "trainer.stale_correction=decoupled"],
-    "partial_icepop": [*PARTIAL, "trainer.stale_correction=icepop"],
-    "partial_m2po": [*PARTIAL, "trainer.stale_correction=m2po"],
-    "partial_seq_mis": [*PARTIAL, "trainer.stale_correction=seq_mis"],
-    "partial_geo_rs": [*PARTIAL, "trainer.stale_correction=geo_rs"],
+    "partial_mask_offpolicy": [*PARTIAL, "trainer.correction.method=mask_offpolicy"],
+    "partial_decoupled": [*PARTIAL, "trainer.correction.method=decoupled"],
+    "partial_icepop": [*PARTIAL, "trainer.correction.method=icepop"],
+    "partial_m2po": [*PARTIAL, "trainer.correction.method=m2po"],
+    "partial_seq_mis": [*PARTIAL, "trainer.correction.method=seq_mis"],
+    "partial_geo_rs": [*PARTIAL, "trainer.correction.method=geo_rs"],
     "spec_rl": ["algo.mode=spec_rl"],
 }
 FIELD = [("partial + slime off-policy mask", "partial_mask_offpolicy"), ("partial + AReaL decoupled PPO", "partial_decoupled"),
@@ -308,7 +308,7 @@ def run_all(out: Path, names: list[str], seeds: list[int], extra: list[str], log
     base = load_config(config, extra)  # checks --set before anything starts
     cpu_compat.activate()
     out.mkdir(parents=True, exist_ok=True)
-    with launch_server(resolve_model(base), engine_args=dict(base.rollout.engine_args),
+    with launch_server(resolve_model(base), engine_args=base.servers.engine_args.args(),
                        log_path=out / "server.log") as server:
         for name, seed in todo:
             run_dir = out / name / f"s{seed}"
@@ -316,7 +316,7 @@ def run_all(out: Path, names: list[str], seeds: list[int], extra: list[str], log
             print(f"[paper_tables] {name} seed {seed} -> {run_dir}", flush=True)
             try:  # a row the base config refuses (e.g. a correction that needs TIS) is reported like a failed run
                 cfg = load_config(config, [*RUNS[name], *extra, f"seed={seed}",
-                                           f'rollout.endpoints=["{server.endpoint}"]'])
+                                           f'servers.endpoints=["{server.endpoint}"]'])
                 train(cfg, run_dir, progress=False, overwrite=run_dir.exists())
                 log["ran"].append([name, seed, time.perf_counter() - t0])
             except Exception:  # one failed run must not stop the batch: it is reported and rerun next time

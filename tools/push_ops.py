@@ -176,9 +176,9 @@ def push_counts(config: str, bucket_bytes: int) -> dict:
     world = cfg.cluster.nodes * cfg.cluster.gpus_per_node
     etp = getattr(t, "etp", 1) or 1
     lay = Layout(tp=t.tp, tp_rank=0, ep=t.ep, ep_rank=0, pp=t.pp, pp_rank=0, etp=etp, etp_rank=0)
-    server_tp = int(cfg.rollout.engine_args.get("tp_size", 1))
+    server_tp = cfg.servers.engine_args.tp_size
     groups = {"tp": t.tp, "ep": t.ep, "etp": etp, "etp_ep": etp * t.ep, "pp": t.pp}
-    slots = [ServerAddress(i, f"tcp://server-{i}", None) for i in range(cfg.rollout.n_servers)]
+    slots = [ServerAddress(i, f"tcp://server-{i}", None) for i in range(cfg.servers.count)]
     if hasattr(wt, "spec_for"):
         spec = wt.spec_for("ipc", slots, server_tp, world, "push-ops")
     else:  # a checkout from before the bucketed push (the "before" figures)

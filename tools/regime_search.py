@@ -28,25 +28,25 @@ from rollverify.metrics import load_metrics
 
 COMMON = ["log.plots=false", "log.tensorboard=false", "log.checkpoint_every=0", "log.export_final=false",
           "eval.every=0"]
-SERVER = ["rollout.engine_args.max_running_requests=256", "rollout.engine_args.max_total_tokens=65536"]
+SERVER = ["servers.engine_args.max_running_requests=256", "servers.engine_args.max_total_tokens=65536"]
 MODES: dict[str, list[str]] = {
     "on_policy": ["algo.mode=on_policy"],
     "partial": ["algo.mode=partial"],
     "rollverify": ["algo.mode=rollverify"],
 }
 # keys that cannot change an on-policy trajectory (it carries nothing over): its run is shared across them
-SHARED_BY_ON_POLICY = ("rollout.max_live", "trainer.use_tis", "trainer.tis_cap")
+SHARED_BY_ON_POLICY = ("rollout.max_live", "trainer.correction.method", "trainer.correction.tis_cap")
 SETTINGS: dict[str, list[str]] = {
     # the tiny default for reference (lr 5e-5, max_live 64, 40 steps)
     "base": [],
     # staleness (8x over-provisioning) and drift (4x lr)
     "lr2e-4_ml256": ["trainer.lr=2e-4", "rollout.max_live=256"],
     # no TIS: the trainer never corrects for the behaviour policy (its old log-probs are its own)
-    "lr2e-4_ml256_notis": ["trainer.lr=2e-4", "rollout.max_live=256", "trainer.use_tis=false"],
+    "lr2e-4_ml256_notis": ["trainer.lr=2e-4", "rollout.max_live=256", "trainer.correction.method=none"],
     "lr5e-4_ml128": ["trainer.lr=5e-4", "rollout.max_live=128"],
-    "lr5e-4_ml256_notis": ["trainer.lr=5e-4", "rollout.max_live=256", "trainer.use_tis=false"],
+    "lr5e-4_ml256_notis": ["trainer.lr=5e-4", "rollout.max_live=256", "trainer.correction.method=none"],
     "lr1e-3_ml256": ["trainer.lr=1e-3", "rollout.max_live=256"],
-    "lr1e-3_ml256_notis": ["trainer.lr=1e-3", "rollout.max_live=256", "trainer.use_tis=false"],
+    "lr1e-3_ml256_notis": ["trainer.lr=1e-3", "rollout.max_live=256", "trainer.correction.method=none"],
     "lr2e-4_ml128_80steps": ["trainer.lr=2e-4", "rollout.max_live=128", "trainer.steps=80"],
 }
 
@@ -135,7 +135,7 @@ def run_all(out: Path, todo: list[tuple[str, str, int]], extra: list[str], log: 
     base = load_config("tiny_cpu", [*COMMON, *SERVER, *extra])
     cpu_compat.activate()
     out.mkdir(parents=True, exist_ok=True)
-    with launch_server(resolve_model(base), engine_args=dict(base.rollout.engine_args),
+    with launch_server(resolve_model(base), engine_args=base.servers.engine_args.args(),
                        log_path=out / "server.log") as server:
         for setting, mode, seed in todo:
             d = run_dir(out, setting, mode, seed)
@@ -143,7 +143,7 @@ def run_all(out: Path, todo: list[tuple[str, str, int]], extra: list[str], log: 
                 continue
             cfg = load_config("tiny_cpu", [*COMMON, *SERVER, *SETTINGS[setting], *MODES[mode], *extra,
                                            f"seed={seed}", f"eval.every={_steps(setting, extra)}",
-                                           f'rollout.endpoints=["{server.endpoint}"]'])
+                                           f'servers.endpoints=["{server.endpoint}"]'])
             t0 = time.perf_counter()
             print(f"[regime] {setting} {mode} seed {seed} -> {d}", flush=True)
             try:

@@ -1,4 +1,4 @@
-"""Trainer/engine log-prob mismatch over weight updates, with and without routing replay (issue 26's table).
+"""Trainer/engine log-prob mismatch over weight updates, with and without routing replay (the table of docs/results.md).
 
     python tools/replay_mismatch.py --out runs/replay_mismatch [--settings tiny_moe a3b_layer ...] [--steps 4]
 
@@ -21,7 +21,7 @@ REWARD = f"{Path(__file__).resolve().parent.parent / 'tests' / 'replay_reward.py
 # its 0.8 GB of float32 weights need SGLang's static share of this machine's memory above the default 0.05
 A3B = ("model.tiny_overrides={hidden_size: 2048, num_heads: 32, num_kv_heads: 4, head_dim: 128, "
        "moe_intermediate_size: 768, intermediate_size: 768, num_experts: 16, top_k: 8}",
-       "rollout.engine_args.mem_fraction_static=0.15")
+       "servers.engine_args.mem_fraction_static=0.15")
 DENSE_06B = ("model.tiny_overrides={hidden_size: 1024, num_heads: 16, num_kv_heads: 8, head_dim: 128, "
              "intermediate_size: 3072}")
 BASE = [

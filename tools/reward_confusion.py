@@ -1,4 +1,4 @@
-"""Confusion figures of a math reward on the hand-labelled answer pairs of tests/test_rewards.py.
+"""Confusion figures of a math reward on the hand-labelled answer pairs (rollverify/tasks/math_pairs.py).
 
     python tools/reward_confusion.py                      # the current rollverify.tasks.math.math_reward
     python tools/reward_confusion.py --module OLD_MATH.py # another version, e.g. `git show REV:rollverify/tasks/math.py`
@@ -18,14 +18,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--module", default=None, help="a Python file defining math_reward(response, label)")
     a = p.parse_args(argv)
-    from test_rewards import PAIRS
+    from rollverify.tasks.math_pairs import PAIRS
 
     if a.module is None:
         from rollverify.tasks.math import math_reward

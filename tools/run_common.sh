@@ -77,11 +77,11 @@ paper_args() {  # the arrays both paper jobs share; the job script appends its m
   fi
   # paper, Sec. 5.1: 128 prompts x 8 responses, 32K context (2K prompt + 30K response)
   ROLLOUT_ARGS=(rollout.batch_groups=128 rollout.n=8 rollout.max_new_tokens=30720 rollout.temperature=1.0
-                rollout.engine_args.context_length=32768)
+                servers.engine_args.context_length=32768)
   ALGO_ARGS=(algo.mode=rollverify algo.d_s=0.01 algo.d_t=2.0 algo.conditional_switch=true algo.switch_window=8
              algo.switch_tau=0.5)
-  TRAINER_ARGS=(trainer.steps=500 trainer.lr=1e-6 trainer.eps_low=0.2 trainer.eps_high=0.3 trainer.use_tis=true
-                trainer.tis_cap=2.0 trainer.sequence_parallel=true)
+  TRAINER_ARGS=(trainer.steps=500 trainer.lr=1e-6 trainer.eps_low=0.2 trainer.eps_high=0.3 trainer.correction.method=tis
+                trainer.correction.tis_cap=2.0 trainer.sequence_parallel=true)
   LOG_ARGS=(eval.every=10 log.checkpoint_every=20)
 }
 

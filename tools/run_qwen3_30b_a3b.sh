@@ -22,14 +22,14 @@ parse_paper_args "$@"
 need_paper_inputs
 
 paper_args
-ROLLOUT_ARGS+=(rollout.engine_args.tp_size=4 rollout.engine_args.ep_size=4 rollout.engine_args.max_running_requests=64
-              rollout.engine_args.mem_fraction_static=0.85)
+ROLLOUT_ARGS+=(servers.engine_args.tp_size=4 servers.engine_args.ep_size=4 servers.engine_args.max_running_requests=64
+              servers.engine_args.mem_fraction_static=0.85)
 TRAINER_ARGS+=(trainer.tp=4 trainer.ep=16 trainer.recompute=full trainer.replay_train=true trainer.replay_verify=false)
 if [[ "$PLACEMENT" == colocated ]]; then
-  ROLLOUT_ARGS+=(rollout.n_servers=8 rollout.max_live=512)
+  ROLLOUT_ARGS+=(servers.count=8 rollout.max_live=512)
   TRAINER_ARGS+=(trainer.dp=8)
 else
-  ROLLOUT_ARGS+=(rollout.n_servers=4 rollout.max_live=256)
+  ROLLOUT_ARGS+=(servers.count=4 rollout.max_live=256)
   TRAINER_ARGS+=(trainer.dp=4)
 fi
 

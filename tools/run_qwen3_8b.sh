@@ -22,13 +22,13 @@ need_paper_inputs
 
 paper_args
 # 0.82: room for the parameters when a restarted server gets the policy while the others generate
-ROLLOUT_ARGS+=(rollout.engine_args.tp_size=2 rollout.engine_args.max_running_requests=24 rollout.engine_args.mem_fraction_static=0.82)
+ROLLOUT_ARGS+=(servers.engine_args.tp_size=2 servers.engine_args.max_running_requests=24 servers.engine_args.mem_fraction_static=0.82)
 TRAINER_ARGS+=(trainer.tp=2 trainer.recompute=full)
 if [[ "$PLACEMENT" == colocated ]]; then
-  ROLLOUT_ARGS+=(rollout.n_servers=16 rollout.max_live=384)
+  ROLLOUT_ARGS+=(servers.count=16 rollout.max_live=384)
   TRAINER_ARGS+=(trainer.dp=16)
 else
-  ROLLOUT_ARGS+=(rollout.n_servers=8 rollout.max_live=192)
+  ROLLOUT_ARGS+=(servers.count=8 rollout.max_live=192)
   TRAINER_ARGS+=(trainer.dp=8)
 fi
 

@@ -33,7 +33,7 @@ export RAY_memory_monitor_refresh_ms="${RAY_memory_monitor_refresh_ms:-0}"
 MODEL_ARGS=(model.path=null)  # the tiny model, made offline and cached (rollverify make-tiny-model)
 CLUSTER_ARGS=(cluster.launcher="$LAUNCHER" cluster.nodes=1 cluster.gpus_per_node=0)
 # two servers starting at once on a busy 2-core machine take minutes: a start limit (and answer limit) of 900 s
-ROLLOUT_ARGS=(rollout.n_servers=2 rollout.batch_groups=4 rollout.n=4 rollout.max_live=24 rollout.server_timeout_s=900 rollout.server_startup_s=900)
+ROLLOUT_ARGS=(servers.count=2 rollout.batch_groups=4 rollout.n=4 rollout.max_live=24 servers.timeout_s=900 servers.startup_s=900)
 ALGO_ARGS=(algo.mode=rollverify)
 TRAINER_ARGS=(trainer.steps=3 trainer.dp=2)
 LOG_ARGS=(eval.every=0 log.plots=false log.tensorboard=false log.checkpoint_every=0 log.export_final=false)

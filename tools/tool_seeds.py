@@ -1,4 +1,4 @@
-"""Aggregate `rollverify demo --tools` runs over seeds: the multi-turn figures of docs/results.md (issue 28).
+"""Aggregate `rollverify demo --tools` runs over seeds: the multi-turn figures of docs/results.md.
 
     for s in 0 1 2; do rollverify demo --tools --modes on_policy partial rollverify --out runs/tools/s$s seed=$s; done
     python tools/tool_seeds.py runs/tools/s0 runs/tools/s1 runs/tools/s2 --json runs/tools/summary.json

@@ -6,14 +6,10 @@ becomes the current one by an atomic rename of a new link over the old (after it
 then the older folders are removed. A save that fails (disk full, permission lost, a rank's write error) removes
 what it wrote and raises `CheckpointError`: the link still names the previous checkpoint, untouched and loadable.
 A driver killed while saving leaves a folder no link names; `clean` removes it when the run resumes.
-
-A run folder written before this layout has DIR/checkpoint as a real folder; it is read the same way, and moves
-under DIR/checkpoints at the next save.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -100,10 +96,6 @@ class CheckpointStore:
         return d
 
     def _point_to(self, d: Path) -> None:
-        if self.link.is_dir() and not self.link.is_symlink():  # the earlier layout: move it under the store
-            legacy = self.store / "legacy"
-            shutil.rmtree(legacy, ignore_errors=True)
-            self.link.rename(legacy)
         tmp = self.out / (CHECKPOINT + ".link.tmp")
         tmp.unlink(missing_ok=True)
         os.symlink(os.path.relpath(d, self.out), tmp)
@@ -114,8 +106,7 @@ class CheckpointStore:
         if not self.store.is_dir():
             return
         for entry in self.store.iterdir():  # only what this store writes: anything else there is not its own
-            ours = entry.name.startswith("step_") or entry.name == "legacy"
-            if ours and entry.is_dir() and entry.resolve() != keep.resolve():
+            if entry.name.startswith("step_") and entry.is_dir() and entry.resolve() != keep.resolve():
                 shutil.rmtree(entry, ignore_errors=True)
 
     def clean(self) -> None:
@@ -124,8 +115,6 @@ class CheckpointStore:
         cur = self.current()
         if cur is not None:
             self._remove_all_but(cur.resolve())
-        with contextlib.suppress(OSError):
-            shutil.rmtree(self.out / (CHECKPOINT + ".tmp"))  # the earlier layout's temporary folder
 
 
 def _reason(e: BaseException) -> str:

@@ -9,12 +9,11 @@ import sys
 from dataclasses import dataclass
 
 USAGE = "usage: rollverify [--version] [--help] COMMAND [options]"
-EPILOG = """\
+EXAMPLES = """\
 Run `rollverify COMMAND --help` for a command's options. Examples:
   rollverify demo                                          # on-policy vs RollVerify on the tiny CPU default
   rollverify train --config tiny_cpu --out runs/rv algo.mode=partial seed=1
-  rollverify train --config tiny_cpu --out runs/rv --resume runs/rv trainer.steps=80
-Shipped configs (pass the name or a YAML path): tiny_cpu, qwen3_8b_base, qwen3_30b_a3b_base."""
+  rollverify train --config tiny_cpu --out runs/rv --resume runs/rv trainer.steps=80"""
 
 
 @dataclass(frozen=True)
@@ -65,7 +64,10 @@ def help_text() -> str:
     lines = [USAGE, "", "RollVerify: RL of LLMs with verified partial rollout (SGLang + Megatron-Core).", "",
              "commands:"]
     lines += [f"  {name:<{width}}  {cmd.help}" for name, cmd in COMMANDS.items()]
-    lines += ["", "options:", "  -h, --help  show this help", "  --version   print the version", "", EPILOG]
+    from rollverify.app.presets import shipped_configs
+
+    lines += ["", "options:", "  -h, --help  show this help", "  --version   print the version", "", EXAMPLES,
+              f"Shipped configs (pass the name or a YAML path): {', '.join(shipped_configs())}."]
     return "\n".join(lines)
 
 

@@ -129,7 +129,7 @@ def check_resources(needs: list[NodeNeed], nodes: list[RayNode]) -> None:
             short = ", ".join(
                 f"{n.name()} has {n.gpus:g} GPU(s) and {n.cpus:g} CPU(s)" for n in usable)
             raise ClusterError(f"no Ray node can host plan node {need.index}: {need.describe()}; {short}. Lower "
-                               "cluster.gpus_per_node / rollout.n_servers / trainer.dp, or start nodes with more "
+                               "cluster.gpus_per_node / servers.count / trainer.dp, or start nodes with more "
                                "resources (ray start --num-gpus/--num-cpus)")
         usable.remove(max(fits, key=lambda n: (n.gpus, n.cpus)))
 

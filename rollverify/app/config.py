@@ -7,10 +7,10 @@ a value of the wrong type or out of range, or an inconsistent combination (paral
 an eval larger than the run) is a `ConfigError` that names the key and says what is allowed. A section is the
 dataclass its consumer takes and owns, with its own rules (`check()`): `rollout` is the loop's
 `rollverify.rollout.RolloutConfig`, `tools` the tool turns' `rollverify.tool_turns.ToolsConfig`, `algo` the
-strategies' `rollverify.strategies.AlgoConfig`, `trainer` the trainer
-wing's `megatron_bridge.config.TrainerConfig`; the run config composes them with the application's own sections
-and checks the rules that span sections, so the file and the code share one definition and nothing is copied
-or renamed between them.
+strategies' `rollverify.strategies.AlgoConfig`, `servers` the engine wing's `sglang_ext.config.ServersConfig`,
+`trainer` the trainer wing's `megatron_bridge.config.TrainerConfig`; the run config composes them with the
+application's own sections and checks the rules that span sections, so the file and the code share one
+definition and nothing is copied or renamed between them.
 """
 
 from __future__ import annotations
@@ -25,11 +25,13 @@ from typing import Any, Literal
 import yaml
 
 from megatron_bridge.config import TrainerConfig
+from rollverify.app.presets import CONFIG_DIR, shipped_configs
 from rollverify.app.recovery import RecoveryConfig
 from rollverify.rollout import RolloutConfig
 from rollverify.sections import ConfigError, bounded, build, coerce, suggest
 from rollverify.strategies import AlgoConfig
 from rollverify.tool_turns import ToolsConfig
+from sglang_ext.config import ServersConfig
 
 __all__ = ["ConfigError", "RunConfig", "load_config", "parse_override", "apply_overrides", "find_config",
            "shipped_configs", "SECTIONS"]
@@ -66,7 +68,7 @@ class ModelConfig:
 class TaskConfig:
     """Where prompts come from and how responses are scored (`rollverify.tasks`)."""
 
-    name: str = "countdown"  # a registered task: countdown, countdown_short, math
+    name: str = "countdown"  # a registered task (rollverify.tasks.task_names(); an unknown name's error lists them)
     options: dict[str, Any] = bounded(factory=dict)  # task arguments, e.g. {train_path: data/dapo.parquet}
     # A reward function instead of the task's own: module:function or path/to/file.py:function, called as
     # fn(prompt, response, label) -> float (rollverify.tasks.reward)
@@ -127,6 +129,7 @@ SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "task": TaskConfig,
     "rollout": RolloutConfig,
+    "servers": ServersConfig,
     "tools": ToolsConfig,
     "algo": AlgoConfig,
     "trainer": TrainerConfig,
@@ -145,6 +148,7 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    servers: ServersConfig = field(default_factory=ServersConfig)
     tools: ToolsConfig = field(default_factory=ToolsConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -180,9 +184,9 @@ class RunConfig:
     def check_installed(self) -> None:
         """Packages the run needs where it starts that validation does not require (so that `rollverify plan`
         reads any config on any machine): SGLang's memory saver for a colocated GPU run."""
-        if self.rollout.engine_args.get("enable_memory_saver") and importlib.util.find_spec("torch_memory_saver") is None:
+        if self.servers.engine_args.enable_memory_saver and importlib.util.find_spec("torch_memory_saver") is None:
             raise ConfigError(
-                "rollout.engine_args.enable_memory_saver: a colocated GPU run hands each GPU between the SGLang "
+                "servers.engine_args.enable_memory_saver: a colocated GPU run hands each GPU between the SGLang "
                 "servers and the trainer through SGLang's memory saver (release_memory_occupation does nothing "
                 "without it), which needs the torch_memory_saver package; it is not installed here. Install "
                 "sglang's GPU requirements (requirements/gpu.txt), or run with cluster.placement=disaggregated"
@@ -280,8 +284,10 @@ class RunConfig:
                     )
                 m.tiny_overrides[k] = coerce(v, hints[k], f"model.tiny_overrides.{k}")
         r.check()  # each section its own rules, then the rules between sections
+        self.servers.check()
         self.tools.check()
         t.check()
+        self._check_concurrency()
         if t.ep > 1 and m.path is None and not m.moe:
             raise ConfigError("trainer.ep: expert parallelism needs an MoE model (model.moe: true)")
         if self.algo.verify_on == "engine" and r.temperature != 1.0:
@@ -325,16 +331,16 @@ class RunConfig:
                 f"servers (here launcher {c.launcher}, placement {c.placement}: the servers keep their memory, so "
                 f"nothing would use what the trainer frees); set it to null or false"
             )
-        saver = self.rollout.engine_args.get("enable_memory_saver")
-        if (c.launcher, c.placement) == ("ray", "colocated") and c.gpus_per_node and not self.rollout.endpoints:
+        ea = self.servers.engine_args
+        if (c.launcher, c.placement) == ("ray", "colocated") and c.gpus_per_node and self.servers.launched:
             # the servers release their GPU memory for the trainer's phases (rollverify.app.handoff); SGLang does
             # that only through its memory saver (a no-op adapter otherwise)
-            if saver is False:
+            if ea.enable_memory_saver is False:
                 raise ConfigError(
-                    "rollout.engine_args.enable_memory_saver: false, but a colocated GPU run needs it (the servers "
+                    "servers.engine_args.enable_memory_saver: false, but a colocated GPU run needs it (the servers "
                     "release their memory to the trainer through it); drop the key or set cluster.placement="
                     "disaggregated")
-            self.rollout.engine_args["enable_memory_saver"] = True
+            ea.enable_memory_saver = True
         if c.placement == "colocated" and c.rollout_gpus:
             raise ConfigError(
                 f"cluster.rollout_gpus: colocated servers share every GPU with the trainer, got {c.rollout_gpus}; "
@@ -346,6 +352,21 @@ class RunConfig:
                 f"nodes*gpus_per_node = {c.gpus}, got {c.rollout_gpus}"
                 + ("" if c.gpus else " (on CPU, gpus_per_node 0, leave it 0: servers and ranks are processes)")
             )
+
+    def _check_concurrency(self) -> None:
+        """What the loop keeps generating (`rollout.max_live`) the servers it launches run at once: beyond their
+        `max_running_requests` the rest would wait in SGLang's queues, live to the loop but not generating (servers
+        given by endpoints are sized by whoever runs them)."""
+        s, r = self.servers, self.rollout
+        cap = s.engine_args.max_running_requests
+        if cap is None or not s.launched or r.max_live <= s.launched * cap:
+            return
+        need = -(-r.max_live // s.launched)
+        raise ConfigError(
+            f"rollout.max_live: {r.max_live} responses generating at once need more than servers.count x "
+            f"servers.engine_args.max_running_requests = {s.launched} x {cap} = {s.launched * cap} (the rest would "
+            f"wait in SGLang's queue, not generate): lower rollout.max_live to {s.launched * cap}, raise "
+            f"servers.engine_args.max_running_requests to {need}, or launch more servers")
 
     def _check_schedule(self) -> None:
         """The asynchronous schedule needs the servers and the trainer on their own devices at once."""
@@ -427,14 +448,6 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...])
             cur = nxt
         cur[path[-1]] = value
     return raw
-
-
-# The configs shipped with the package: rollverify/configs (in a checkout, a link to configs/ at its root).
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
-
-
-def shipped_configs() -> list[str]:
-    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
 
 
 def find_config(name: str | Path) -> Path:

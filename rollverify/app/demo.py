@@ -194,7 +194,7 @@ def cli_main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         with stage("server") as st:
-            server = launch_server(model, engine_args=dict(cfg0.rollout.engine_args), log_path=out / "server.log",
+            server = launch_server(model, engine_args=cfg0.servers.engine_args.args(), log_path=out / "server.log",
                                    startup_timeout_s=a.start_timeout)
             st.detail = f"SGLang at {server.endpoint} (log: {out / 'server.log'})"
     except ServerStartError as e:
@@ -202,7 +202,7 @@ def cli_main(argv: list[str] | None = None) -> int:
         return 3
     with server:
         for mode in a.modes:
-            cfg = load_config(a.config, [*overrides(mode), f'rollout.endpoints=["{server.endpoint}"]'])
+            cfg = load_config(a.config, [*overrides(mode), f'servers.endpoints=["{server.endpoint}"]'])
             say(f"{mode}: {a.steps} steps -> {out / mode}")
             summary = train(cfg, out / mode, progress=True)
             rows = load_metrics(out / mode)

@@ -175,7 +175,7 @@ def format_table(metrics: dict[str, float]) -> str:
 
 def evaluate_checkpoint(cfg: Any, model: str | Path, out: str | Path | None = None) -> dict[str, float]:
     """Evaluate the HF checkpoint folder `model` with `cfg`'s task, reward and eval settings, on servers
-    launched for it (or on `rollout.endpoints`, which first receive its weights)."""
+    launched for it (or on `servers.endpoints`, which first receive its weights)."""
     from transformers import AutoTokenizer
 
     from rollverify.app.export import hf_weight_buckets
@@ -192,11 +192,11 @@ def evaluate_checkpoint(cfg: Any, model: str | Path, out: str | Path | None = No
     evaluator = build_evaluator(cfg, task, tokenizer, task_reward(task, cfg.task.reward), tools)
     engine = start_engine(cfg, model, Path(tempfile.mkdtemp(prefix="rollverify-eval-")))  # server logs
     try:
-        if cfg.rollout.endpoints:
+        if cfg.servers.endpoints:
             engine.update_weights(hf_weight_buckets(model), 0)
         metrics = evaluator.run(engine, tag="eval")
     finally:
-        engine.close(shutdown=not cfg.rollout.endpoints)
+        engine.close(shutdown=not cfg.servers.endpoints)
         if tools is not None:
             tools.close()
     result = {"model": str(model), "n_samples": cfg.eval.n_samples, **metrics}

@@ -56,12 +56,12 @@ class MemoryBook:
         self.rank_slots = {r: (n, g) for r, (n, g) in enumerate(plan.ranks) if g is not None}
         slots = sorted({*self.rank_slots.values(), *(g for v in self.server_slots.values() for g in v)})
         self.ledger = ledger or GpuLedger({g: int(c.gpu_memory_gib * GiB) for g in slots}, strict=strict)
-        ea = plan.cfg.rollout.engine_args
+        ea = plan.cfg.servers.engine_args
         self.server_bytes = {
             "context": PROCESS_OVERHEAD,
             "weights": s.weights,
             "kv_cache": s.kv_pool_tokens * s.kv_bytes_per_token,
-            "cuda_graph": 0 if ea.get("disable_cuda_graph") else CUDA_GRAPH_BYTES,
+            "cuda_graph": 0 if ea.disable_cuda_graph else CUDA_GRAPH_BYTES,
         }
         self.trainer_bytes = {"context": PROCESS_OVERHEAD, "params": t.weights, "grads": t.gradients,
                               "optimizer": t.optimizer}
@@ -87,11 +87,6 @@ class MemoryBook:
         self.released[i] = set()
         for name in ("context", *SERVER_TAGS):
             self._servers([i], name, True)
-
-    def server_stopped(self, i: int) -> None:
-        for name in ("context", *SERVER_TAGS):
-            self._servers([i], name, False)
-        self.released.pop(i, None)
 
     def servers_released(self, tags: Iterable[str], servers: Iterable[int] | None = None) -> None:
         for i in self._which(servers):

@@ -268,8 +268,8 @@ def make_weights(cfg: Any, engine: Any, trainer: Any, handoff: Handoff, *, live:
 
     c = cfg.cluster
     weights = weight_sync_for(c.launcher, c.placement, engine, trainer,
-                              server_tp=int(cfg.rollout.engine_args.get("tp_size", 1)),
-                              trainer_ranks=cfg.trainer.world_size, timeout_s=cfg.rollout.server_timeout_s,
+                              server_tp=cfg.servers.engine_args.tp_size,
+                              trainer_ranks=cfg.trainer.world_size, timeout_s=cfg.servers.timeout_s,
                               handoff=handoff, live=live)
     return weights if weights is not None else InMemoryWeights(engine, trainer, handoff)
 
@@ -282,7 +282,7 @@ def make_handoff(cfg: Any, book: MemoryBook | NullBook) -> Handoff:
 
     c = cfg.cluster
     colocated = c.placement == "colocated" and transport_for(c.launcher, c.placement) == "ipc"
-    return Handoff(book, colocated=colocated and not cfg.rollout.endpoints,
+    return Handoff(book, colocated=colocated and not cfg.servers.endpoints,
                    offloads=cfg.trainer.offloads(c.launcher, c.placement), measure=c.gpus_per_node > 0)
 
 
@@ -304,7 +304,7 @@ def start_run(cfg: Any, handoff: Handoff, start_engine: Callable[[], Any], start
             if trainer is not None:
                 trainer.close()
         finally:
-            engine.close(shutdown=not cfg.rollout.endpoints)
+            engine.close(shutdown=not cfg.servers.endpoints)
         raise
 
 
@@ -327,7 +327,7 @@ def replay_run(cfg: Any, book: MemoryBook) -> None:
     handoff.measure = False  # nothing runs: nothing to measure
     dry = _Dry()
     servers = [ServerAddress(s.index, f"tcp://replay:{s.index}", None) for s in book.plan.servers] or [
-        ServerAddress(i, e, None) for i, e in enumerate(cfg.rollout.endpoints)]
+        ServerAddress(i, e, None) for i, e in enumerate(cfg.servers.endpoints)]
 
     def start_servers() -> _Dry:
         for s in book.plan.servers:

@@ -20,7 +20,7 @@ Memory per GPU, in bytes (formulas documented in docs/cluster.md, "What plan cou
   first stage; selective recompute drops
   `selective_freed_bytes`; full recompute keeps each layer's input plus one layer's working set); the final
   hidden states and one log-prob chunk of logits.
-* server: weights / tp_size; KV cache for min(ceil(max_live / n_servers) + n - 1, max_running_requests)
+* server: weights / tp_size; KV cache for min(ceil(max_live / servers) + n - 1, max_running_requests)
   responses at full context, 2 * layers * max(1, kv_heads / tp) * head_dim * kv_bytes per token per GPU; the KV pool SGLang
   can have is mem_fraction_static * GPU memory - weights (or `max_total_tokens` when set).
 * per phase and GPU: the run's own start-up and phase order (rollverify.app.handoff) replayed on a ledger of
@@ -325,32 +325,32 @@ def make_plan(cfg: RunConfig) -> Plan:
     bad = layout_problems(a, lay)
     if bad:
         raise PlanError("the trainer refuses this layout:\n  " + "\n  ".join(bad))
-    r, c = cfg.rollout, cfg.cluster
-    ea = r.engine_args
-    context = int(ea.get("context_length") or a.max_position_embeddings)
-    server_tp = int(ea.get("tp_size", 1)) * int(ea.get("pp_size", 1))
-    n_servers = 0 if r.endpoints else r.n_servers
+    r, c, srv = cfg.rollout, cfg.cluster, cfg.servers
+    ea = srv.engine_args
+    context = ea.context_length or a.max_position_embeddings
+    server_tp = ea.gpus
+    n_servers = srv.launched
     problems: list[str] = []
-    if int(ea.get("dp_size", 1)) > 1 and not ea.get("enable_dp_attention"):
-        problems.append(f"engine_args.dp_size = {ea['dp_size']}: a server's weight updates need dp_size 1; "
-                        "raise rollout.n_servers instead")
+    if ea.dp_size > 1 and not ea.enable_dp_attention:
+        problems.append(f"servers.engine_args.dp_size = {ea.dp_size}: a server's weight updates need dp_size 1; "
+                        "raise servers.count instead")
     if r.max_new_tokens >= context:
         problems.append(f"rollout.max_new_tokens = {r.max_new_tokens} leaves no room for a prompt in the "
-                        f"{context}-token context: lower it or raise engine_args.context_length")
+                        f"{context}-token context: lower it or raise servers.engine_args.context_length")
     ranks, servers = _place(cfg, lay.world_size, n_servers, server_tp, problems)
     gpu = c.gpus_per_node > 0
     dtype_bytes = {"bfloat16": 2, "float32": 4}.get(cfg.model.dtype, 2 if gpu else 4)  # auto: bf16 on GPU
     weights = dtype_bytes * total_params(a) // server_tp
     kv_heads = max(1, a.num_kv_heads // server_tp)
-    kv_bytes = 1 if "fp8" in str(ea.get("kv_cache_dtype", "")) else dtype_bytes
+    kv_bytes = 1 if "fp8" in ea.kv_cache_dtype else dtype_bytes
     per_token = 2 * a.num_layers * kv_heads * a.head_dim * kv_bytes
     # least-loaded assignment of whole groups leaves no server more than one group above its share
-    live = math.ceil(r.max_live / max(1, n_servers or len(r.endpoints))) + r.n - 1
-    if ea.get("max_running_requests"):
-        live = min(live, int(ea["max_running_requests"]))
-    frac = float(ea.get("mem_fraction_static", DEFAULT_MEM_FRACTION))
-    if ea.get("max_total_tokens"):
-        pool = int(ea["max_total_tokens"])
+    live = math.ceil(r.max_live / srv.total) + r.n - 1
+    if ea.max_running_requests:
+        live = min(live, ea.max_running_requests)
+    frac = ea.mem_fraction_static or DEFAULT_MEM_FRACTION
+    if ea.max_total_tokens:
+        pool = ea.max_total_tokens
     elif gpu:
         pool = max(0, int(frac * c.gpu_memory_gib * GiB) - weights) // per_token
     else:
@@ -388,13 +388,14 @@ def _place(cfg: RunConfig, world: int, n_servers: int, server_gpus: int, problem
         problems.append(f"trainer.tp = {tp_group} does not fit whole inside a node of {g} GPUs: use a divisor of {g}")
     if server_gpus > g or g % server_gpus:
         problems.append(
-            f"a server takes {server_gpus} GPUs (engine_args tp_size*pp_size), which does not divide a node of {g}"
+            f"a server takes {server_gpus} GPUs (servers.engine_args tp_size*pp_size), which does not divide a node "
+            f"of {g}"
             " GPUs: a server never spans nodes"
         )
     if n_servers * server_gpus > roll_gpus:
         problems.append(
             f"{n_servers} servers x {server_gpus} GPUs = {n_servers * server_gpus} GPUs, more than the "
-            f"{roll_gpus} {'cluster.rollout_gpus' if disagg else 'GPUs'}: lower rollout.n_servers to "
+            f"{roll_gpus} {'cluster.rollout_gpus' if disagg else 'GPUs'}: lower servers.count to "
             f"{roll_gpus // server_gpus}"
         )
     ranks = [(r // g, r % g) for r in range(min(world, train_gpus))]
@@ -409,29 +410,30 @@ def _place(cfg: RunConfig, world: int, n_servers: int, server_gpus: int, problem
 
 def _check_memory(p: Plan) -> None:
     c, s, out = p.cfg.cluster, p.server, p.problems
-    ea = p.cfg.rollout.engine_args
-    if p.cfg.rollout.endpoints:
-        p.notes.append("rollout.endpoints: servers someone else runs; their GPUs and memory are not checked here")
+    ea = p.cfg.servers.engine_args
+    if p.cfg.servers.endpoints:
+        p.notes.append("servers.endpoints: servers someone else runs; their GPUs and memory are not checked here")
     elif s.kv_pool_tokens < s.kv_needed_tokens:
         fits = s.kv_pool_tokens // p.context
         # a CPU server's pool is bounded for RAM's sake; SGLang retracts requests when it runs full
         target = out if c.gpus_per_node else p.notes
-        pool = "engine_args.max_total_tokens" if ea.get("max_total_tokens") else (
-            f"{ea.get('mem_fraction_static', DEFAULT_MEM_FRACTION)} x {c.gpu_memory_gib} GiB - "
+        pool = "servers.engine_args.max_total_tokens" if ea.max_total_tokens else (
+            f"{ea.mem_fraction_static or DEFAULT_MEM_FRACTION} x {c.gpu_memory_gib} GiB - "
             f"{s.weights / GiB:.1f} GiB weights at {s.kv_bytes_per_token / 1024:.0f} KiB/token per GPU")
         target.append(
             f"KV cache: a server must hold {s.live_per_server} live responses x {p.context} tokens = "
             f"{s.kv_needed_tokens} tokens, its pool holds {s.kv_pool_tokens} ({pool}): set "
-            f"engine_args.max_running_requests to {fits} (and rollout.max_live to {fits * max(1, len(p.servers))}), "
-            "or give the pool more (engine_args.mem_fraction_static, max_total_tokens, tp_size)"
+            f"servers.engine_args.max_running_requests to {fits} (and rollout.max_live to "
+            f"{fits * max(1, len(p.servers))}), or give the pool more (servers.engine_args.mem_fraction_static, "
+            "max_total_tokens, tp_size)"
         )
     if c.gpus_per_node == 0:
         return
     cap = int(c.gpu_memory_gib * GiB)
-    frac = float(ea.get("mem_fraction_static", DEFAULT_MEM_FRACTION))
-    if s.weights > frac * cap and not p.cfg.rollout.endpoints:
+    frac = ea.mem_fraction_static or DEFAULT_MEM_FRACTION
+    if s.weights > frac * cap and not p.cfg.servers.endpoints:
         out.append(f"server weights {s.weights / GiB:.1f} GiB per GPU exceed mem_fraction_static x GPU memory "
-                   f"= {frac * cap / GiB:.1f} GiB: raise engine_args.tp_size")
+                   f"= {frac * cap / GiB:.1f} GiB: raise servers.engine_args.tp_size")
     from rollverify.app.handoff import replay
 
     p.book = replay(p)
@@ -450,9 +452,9 @@ def _fix(p: Plan, phase: str) -> str:
         return ("the trainer keeps its memory while the servers hold theirs: set trainer.offload_between_phases="
                 "null" if c.launcher == "ray" else
                 "the local launcher's servers and trainer keep their memory: use cluster.launcher=ray (its servers "
-                "and trainer hand memory over), or lower engine_args.mem_fraction_static")
+                "and trainer hand memory over), or lower servers.engine_args.mem_fraction_static")
     if phase in ("start", "rollout"):
-        return "lower engine_args.mem_fraction_static"
+        return "lower servers.engine_args.mem_fraction_static"
     if t.activations > t.weights + t.gradients + t.optimizer:
         split = "raise trainer.tp (with sequence_parallel)"
         shorter = "lower trainer.micro_batch_tokens to the context, " if lay.micro_batch_tokens > p.context else ""
@@ -475,7 +477,8 @@ def render(p: Plan) -> str:
     moe = f", {a.num_experts} experts top-{a.top_k} x {a.moe_intermediate_size}" if a.moe else ""
     where = (f"{c.gpus_per_node} GPUs of {c.gpu_memory_gib} GiB, {c.placement}"
              + (f" ({c.rollout_gpus} GPUs for rollout)" if c.placement == "disaggregated" else "")) if gpu else "CPU"
-    n_srv = f"{len(r.endpoints)} external endpoint(s)" if r.endpoints else f"{len(p.servers)} server(s)"
+    eps = p.cfg.servers.endpoints
+    n_srv = f"{len(eps)} external endpoint(s)" if eps else f"{len(p.servers)} server(s)"
     lines = [
         f"model    {a.architecture}: {_count(total_params(a))} params, hidden {a.hidden_size}, {a.num_layers} "
         f"layers, {a.num_heads}/{a.num_kv_heads} heads x {a.head_dim}, vocab {a.vocab_size}{moe}",
@@ -513,7 +516,7 @@ def render(p: Plan) -> str:
         lines.append(f"  {name:<50}" + (num(tv) if tv is not None else " " * 9) + ("  " + num(sv) if sv is not None
                                                                                  else ""))
     if gpu:
-        frac = float(r.engine_args.get("mem_fraction_static", DEFAULT_MEM_FRACTION))
+        frac = p.cfg.servers.engine_args.mem_fraction_static or DEFAULT_MEM_FRACTION
         lines.append(f"  GPU {c.gpu_memory_gib} GiB; rollout reserves mem_fraction_static {frac} = "
                      f"{frac * c.gpu_memory_gib:.1f} GiB (KV pool {s.kv_pool_tokens} tokens); plus "
                      f"{PROCESS_OVERHEAD / GiB:.1f} GiB per process not counted above")
@@ -538,7 +541,7 @@ def cli_main(argv: list[str] | None = None) -> int:
         "exit 2 with what to change when it does not fit. Needs no GPU, no weights and no data files; "
         "`rollverify train` runs the same check before it starts.",
         epilog="examples:\n  rollverify plan --config qwen3_8b_base\n"
-        "  rollverify plan --config qwen3_8b_base cluster.nodes=2 trainer.dp=2 rollout.n_servers=8\n"
+        "  rollverify plan --config qwen3_8b_base cluster.nodes=2 trainer.dp=2 servers.count=8\n"
         "  rollverify plan --config my.yaml model.arch=qwen3-30b-a3b   (the checkpoint is not on this machine)\n"
         "formulas and the paper configs' tables: docs/cluster.md",
         formatter_class=argparse.RawDescriptionHelpFormatter,

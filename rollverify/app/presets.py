@@ -1,9 +1,20 @@
-"""Model architectures by preset name (`model.arch`), so that `rollverify plan` sizes the paper's models
-without their checkpoints."""
+"""What ships by name: model architectures (`model.arch`), so that `rollverify plan` sizes the paper's models
+without their checkpoints, and the run configs (`--config NAME`). Nothing here imports more than the standard
+library, so `rollverify --help` can list them at once."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
+
+# The configs shipped with the package: rollverify/configs (in a checkout, a link to configs/ at its root).
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+
+
+def shipped_configs() -> list[str]:
+    """The names of the shipped configs (`--config NAME`), sorted."""
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+
 
 # Architectures stated as the fields of their Hugging Face config.json (checked against the published files and
 # slime's Megatron argument scripts), so `plan` can size the paper's models without their checkpoints.

@@ -52,7 +52,7 @@ class RayServerLauncher:
         self._actor = ray.remote(max_concurrency=2)(ServerActor)
 
     def engine_args(self, i: int) -> dict[str, Any]:
-        args = dict(self.cfg.rollout.engine_args)
+        args = self.cfg.servers.engine_args.args()
         gpus = self.cluster.plan.servers[i].gpus
         if gpus:
             args["base_gpu_id"] = gpus[0]  # a physical index: Ray leaves the node's GPUs visible
@@ -92,15 +92,15 @@ class RayServerLauncher:
 
 
 def start_ray_engine(cfg: RunConfig, cluster: RayCluster, model_path: str | os.PathLike, log_dir: Path, book=None):
-    """The rollout engine over `rollout.n_servers` server actors placed by `cluster`, with the run's CURVE keys;
-    a server that does not serve within `rollout.server_startup_s` is stopped. `book`: as `start_engine`'s."""
+    """The rollout engine over `servers.count` server actors placed by `cluster`, with the run's CURVE keys;
+    a server that does not serve within `servers.startup_s` is stopped. `book`: as `start_engine`'s."""
     keys = RunKeys.make()
-    launcher = RayServerLauncher(cfg, cluster, model_path, log_dir, keys, cfg.rollout.server_startup_s, book)
+    launcher = RayServerLauncher(cfg, cluster, model_path, log_dir, keys, cfg.servers.startup_s, book)
     servers = launcher.launch_many(list(range(len(cluster.plan.servers))))
     try:
         check_keys(servers, keys.client())
         return SGLangRolloutEngine([s.endpoint for s in servers], processes=servers, relaunch=launcher.launch,
-                                   curve=keys.client(), timeout_s=cfg.rollout.server_timeout_s)
+                                   curve=keys.client(), timeout_s=cfg.servers.timeout_s)
     except BaseException:
         for s in servers:
             s.stop()

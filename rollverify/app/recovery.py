@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 class RecoveryConfig:
     """The `recovery` section: what the run does when a trainer rank dies or a checkpoint cannot be written.
     (The time-outs that bound how long a dead rank can go unnoticed are the trainer's: `trainer.call_timeout_s`
-    for a call, `trainer.dist_timeout_s` for a collective; the servers': `rollout.server_timeout_s`.)"""
+    for a call, `trainer.dist_timeout_s` for a collective; the servers': `servers.timeout_s`.)"""
 
     max_restarts: int = bounded(3, ge=0)  # trainer restarts from the last checkpoint per driver process
     checkpoint_errors: Literal["continue", "stop"] = "continue"  # a checkpoint that cannot be written

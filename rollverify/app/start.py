@@ -71,40 +71,40 @@ def start_trainer(cfg: RunConfig, model_path: Path, world_size: int | None = Non
 
 
 def start_engine(cfg: RunConfig, model_path: Path, log_dir: Path, book=None):
-    """The rollout engine: `rollout.endpoints` (cleared; the caller pushes its weights) or `rollout.n_servers`
+    """The rollout engine: `servers.endpoints` (cleared; the caller pushes its weights) or `servers.count`
     servers launched on `model_path`, logging to `log_dir`/server<i>.log (`rollverify train` and `eval`); a
-    launch that takes longer than `rollout.server_startup_s` is stopped. `book` (rollverify.app.gpu_memory):
+    launch that takes longer than `servers.startup_s` is stopped. `book` (rollverify.app.gpu_memory):
     each server's memory is recorded when it serves."""
     from sglang_ext import cpu_compat
     from sglang_ext.launch import launch_server
     from sglang_ext.rollout_engine import SGLangRolloutEngine
 
-    r = cfg.rollout
-    if r.endpoints:  # servers someone else runs: clear them
+    s = cfg.servers
+    if s.endpoints:  # servers someone else runs: clear them
         with stage("servers") as st:
-            engine = SGLangRolloutEngine(r.endpoints, timeout_s=r.server_timeout_s)
+            engine = SGLangRolloutEngine(s.endpoints, timeout_s=s.timeout_s)
             engine.reset()
-            st.detail = f"connected to {', '.join(r.endpoints)}"
+            st.detail = f"connected to {', '.join(s.endpoints)}"
         return engine
     cpu_compat.activate()
 
     def launch(i: int):
-        server = launch_server(model_path, engine_args=dict(r.engine_args), log_path=log_dir / f"server{i}.log",
-                               startup_timeout_s=r.server_startup_s)
+        server = launch_server(model_path, engine_args=s.engine_args.args(), log_path=log_dir / f"server{i}.log",
+                               startup_timeout_s=s.startup_s)
         if book is not None:
             book.server_started(i)
         return server
 
     servers = []
     try:
-        for i in range(r.n_servers):
-            with stage("server" if r.n_servers == 1 else f"server {i}") as st:
+        for i in range(s.count):
+            with stage("server" if s.count == 1 else f"server {i}") as st:
                 servers.append(launch(i))
                 st.detail = f"SGLang at {servers[-1].endpoint} (log: {log_dir / f'server{i}.log'})"
     except BaseException:
-        for s in servers:
-            s.stop()
+        for server in servers:
+            server.stop()
         raise
     return SGLangRolloutEngine(
-        [s.endpoint for s in servers], processes=servers, relaunch=launch, timeout_s=r.server_timeout_s
+        [server.endpoint for server in servers], processes=servers, relaunch=launch, timeout_s=s.timeout_s
     )

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from rollverify.app import rundir
 from rollverify.app.checkpoints import LOOP_FILE, CheckpointStore
-from rollverify.app.config import RunConfig, load_config
+from rollverify.app.config import RunConfig, load_config, shipped_configs
 from rollverify.app.console import Progress, quiet_cpu_warnings, say, stage
 from rollverify.app.evaluate import build_evaluator
 from rollverify.app.export import export_dir, export_trainer
@@ -78,7 +78,7 @@ class Run:
             raise
         try:
             self._serve_restarted_servers(weights)
-            if cfg.rollout.endpoints:
+            if cfg.servers.endpoints:
                 self.engine.update_weights(self.trainer.export_weights(), 0)
         except BaseException:
             self.close()
@@ -111,7 +111,7 @@ class Run:
         """The handoff's server side: the engine's live servers release and resume their memory."""
         from rollverify.app.weight_transport import ServersMemory
 
-        return ServersMemory(engine, self.cfg.rollout.server_timeout_s)
+        return ServersMemory(engine, self.cfg.servers.timeout_s)
 
     def _staged_trainer(self):
         with stage("trainer") as st:
@@ -276,7 +276,7 @@ class Run:
                 self.trainer.close()
             finally:
                 try:
-                    self.engine.close(shutdown=not self.cfg.rollout.endpoints)
+                    self.engine.close(shutdown=not self.cfg.servers.endpoints)
                 finally:
                     self._close_cluster()
 
@@ -379,8 +379,8 @@ def cli_main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--config",
         default=None,
-        help="YAML config file, or the name of a shipped one: tiny_cpu (the CPU default), qwen3_8b_base, "
-        "qwen3_30b_a3b_base (default with --resume: the run's own config.json)",
+        help=f"YAML config file, or the name of a shipped one ({', '.join(shipped_configs())}; tiny_cpu is the CPU "
+        "default); with --resume it defaults to the run's own config.json",
     )
     p.add_argument("--out", default=None, help="run folder to write: new or empty (default with --resume: that run)")
     p.add_argument("--resume", default=None, metavar="RUN", help="continue the run in folder RUN from its checkpoint")

@@ -30,10 +30,11 @@ from rollverify.environment.tools import ToolOutput, ToolRegistry, truncate_text
 
 
 @dataclass(frozen=True)
-class ToolConfig:
-    """time_limit_s: per call; max_env_chars / max_env_tokens: cap on one call's environment text (marker
-    included; tokens as `count_tokens` counts them); max_workers: calls running at once; grace_s: how long past
-    the time limit the runner waits for a tool before it resolves the call as timed out."""
+class RunnerLimits:
+    """The tool runner's limits (`rollverify.tool_turns.ToolsConfig`, the run's `tools` section, sets them).
+    time_limit_s: per call; max_env_chars / max_env_tokens: cap on one call's environment text (marker included;
+    tokens as `count_tokens` counts them); max_workers: calls running at once; grace_s: how long past the time
+    limit the runner waits for a tool before it resolves the call as timed out."""
 
     time_limit_s: float = 10.0
     max_env_chars: int | None = 4096
@@ -48,23 +49,23 @@ class ToolConfig:
             or self.time_limit_s <= 0
         ):
             raise ValueError(
-                f"ToolConfig.time_limit_s must be a positive number of seconds; got {self.time_limit_s!r}"
+                f"RunnerLimits.time_limit_s must be a positive number of seconds; got {self.time_limit_s!r}"
             )
         for name in ("max_env_chars", "max_env_tokens"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 16):
                 raise ValueError(
-                    f"ToolConfig.{name} must be None or an integer of at least 16; got {value!r}"
+                    f"RunnerLimits.{name} must be None or an integer of at least 16; got {value!r}"
                 )
         if (
             isinstance(self.max_workers, bool)
             or not isinstance(self.max_workers, int)
             or self.max_workers < 1
         ):
-            raise ValueError(f"ToolConfig.max_workers must be a positive integer; got {self.max_workers!r}")
+            raise ValueError(f"RunnerLimits.max_workers must be a positive integer; got {self.max_workers!r}")
         if not isinstance(self.grace_s, int | float) or self.grace_s < 0:
             raise ValueError(
-                f"ToolConfig.grace_s must be a non-negative number of seconds; got {self.grace_s!r}"
+                f"RunnerLimits.grace_s must be a non-negative number of seconds; got {self.grace_s!r}"
             )
 
 
@@ -97,14 +98,14 @@ class ToolRunner:
     def __init__(
         self,
         registry: ToolRegistry,
-        config: ToolConfig | None = None,
+        config: RunnerLimits | None = None,
         count_tokens: Callable[[str], int] | None = None,
     ) -> None:
         self.registry = registry
-        self.config = config if config is not None else ToolConfig()
+        self.config = config if config is not None else RunnerLimits()
         if self.config.max_env_tokens is not None and count_tokens is None:
             raise ValueError(
-                "ToolConfig.max_env_tokens is set: give ToolRunner a count_tokens (the tokenizer's length)"
+                "RunnerLimits.max_env_tokens is set: give ToolRunner a count_tokens (the tokenizer's length)"
             )
         self.count_tokens = count_tokens
         self._pool = ThreadPoolExecutor(max_workers=self.config.max_workers, thread_name_prefix="rv-tool")

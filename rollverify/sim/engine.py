@@ -95,7 +95,7 @@ class DriftModel:
 
 @dataclass(frozen=True)
 class ToolModel:
-    """Tool calls of a multi-turn workload (issue 28). A trajectory makes c calls, P(c) ~ (c + 1)^-alpha on
+    """Tool calls of a multi-turn workload. A trajectory makes c calls, P(c) ~ (c + 1)^-alpha on
     [0, max_calls] (0 max_calls: single-turn), spread evenly over its length; each call keeps it off the decode
     batch (its KV kept) for a log-normal latency (median ``latency_median_s``, log-std ``latency_sigma``), a wait
     that goes on while the engines are paused (a call in flight finishes during training). A cut before a call's

@@ -1,4 +1,4 @@
-"""Code generation (issue 28): HumanEval, MBPP and LiveCodeBench problems, rewarded by their tests in the sandbox.
+"""Code generation: HumanEval, MBPP and LiveCodeBench problems, rewarded by their tests in the sandbox.
 
 Problems come from files in the project's layout, which `tools/prepare_data.py` makes from the published ones
 (verl's layout with ``ability: code``): the prompt as chat messages, and in ``reward_model.ground_truth`` a JSON

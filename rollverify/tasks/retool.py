@@ -1,4 +1,4 @@
-"""ReTool-style math with a code interpreter (issue 28): DAPO-Math prompts (or any prompt+label file `FileTask`
+"""ReTool-style math with a code interpreter: DAPO-Math prompts (or any prompt+label file `FileTask`
 reads), the sandboxed Python tool in the Qwen3 chat template's tool-call format, and the math reward (boxed /
 ``Answer:`` extraction, math-verify) on the policy's final turn.
 

@@ -1,4 +1,4 @@
-"""Tool chain: the synthetic multi-turn tool task (issue 28), the embedded default for tool use on a CPU.
+"""Tool chain: the synthetic multi-turn tool task, the embedded default for tool use on a CPU.
 
 A hidden table links three-digit nodes into chains. The prompt ``walk 123`` names a chain's head; the tool
 ``next`` answers a node with the next one (``456``) or, at the chain's end, with its answer (``=789``). The

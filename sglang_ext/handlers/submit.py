@@ -7,7 +7,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sglang_ext.protocol import ENV_VERSION, ErrorCode, Message, ProtocolError, SubmitBody, SubmitItem
+from sglang_ext.protocol import (
+    ENV_VERSION,
+    UNKNOWN_VERSION,
+    ErrorCode,
+    Message,
+    ProtocolError,
+    SubmitBody,
+    SubmitItem,
+)
 from sglang_ext.store import Record, RouteShape, new_record
 
 
@@ -51,8 +59,8 @@ def read_arrays(
             raise ProtocolError(ErrorCode.INVALID, f"{k} has {len(arr)} entries, prefix_ids {nx}")
     if versions is not None and len(versions) and int(versions.min()) < ENV_VERSION:
         raise ProtocolError(
-            ErrorCode.INVALID, f"prefix_versions holds {int(versions.min())}; versions are -2 (an environment "
-            "token), -1 (unknown) or >= 0"
+            ErrorCode.INVALID, f"prefix_versions holds {int(versions.min())}; versions are {ENV_VERSION} (an "
+            f"environment token), {UNKNOWN_VERSION} (unknown) or >= 0"
         )
     prefix_routes = _routes(msg, "prefix_routed_experts", nx, route_shape, num_experts)
     prompt_routes = _routes(msg, "prompt_routed_experts", sum(plens) - len(plens), route_shape, num_experts)

@@ -1,7 +1,8 @@
 """Per-token Python reference of the two-stage verification, written straight from DESIGN.md.
 
-Deliberately naive (plain loops over responses, segments and tokens): the vectorised code in
-rollverify.verify is tested against it, and tools/bench_verify.py times it.
+Deliberately naive (plain loops over responses, segments and tokens), and never on the training path: the
+vectorised code in rollverify.verify is tested against it (tests/test_verify.py), and tools/bench_verify.py
+times it.
 """
 
 from __future__ import annotations
