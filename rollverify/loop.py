@@ -167,6 +167,7 @@ class Loop:
         # policy tokens each response received in this rollout phase (decode_iters: the most; a multi-turn
         # response receives them in several outputs, one a turn)
         self._phase_tokens: dict[str, int] = {}
+        self._prefill_tokens = 0  # prompt + prefix tokens the engines prefilled since the last rollout phase ended
 
     # --- the loop -------------------------------------------------------------------------------------------
 
@@ -222,6 +223,8 @@ class Loop:
         # after a restore, a lost server or a switch the engine no longer holds some unfinished responses
         resubmitted = self._resubmit_lost(phase)
         tracked = self.engine.response_ids()
+        # a paused response resumes under new weights: the engine prefills its prompt and prefix again
+        self._prefill_tokens += sum(_context(r) for r in runnable if r.response_id in tracked)
         self._submit([r for r in runnable if r.response_id not in tracked])
         launched_now = 0
         last_progress = time.monotonic()
@@ -243,6 +246,7 @@ class Loop:
         paused = self.engine.pause() if carries_over else []
         self._record(paused)
         self._record(self.engine.wait_finished(0.0))  # anything that finished while pausing
+        prefill, self._prefill_tokens = self._prefill_tokens, 0
         return {
             "tokens_generated": self.ledger.generated_tokens - generated_before,
             "env_tokens_appended": self.ledger.env_tokens - env_before,
@@ -252,6 +256,9 @@ class Loop:
             # one do; capacity max_live <= the engine's max_running_requests). Hardware-neutral: on a GPU a
             # decode iteration costs about the same at batch 4 as at 64, on a CPU in proportion to the batch.
             "decode_iters": max(self._phase_tokens.values(), default=0),
+            # prompt and prefix tokens the engines prefilled for the phase's launches, resumes and resubmissions
+            # (each response counted whole: no prefix sharing assumed); rollverify/pricing.py prices them
+            "prefill_tokens": prefill,
             "n_launched_groups": launched_now,
             "n_paused": len(paused),
             "n_resubmitted": resubmitted,
@@ -295,6 +302,7 @@ class Loop:
             responses = self.tools.submittable(responses)
         if responses:
             self.engine.submit(responses, self.sampling)
+            self._prefill_tokens += sum(_context(r) for r in responses)
 
     def pause_engines(self) -> None:
         """The engines stop generating, what they produced so far recorded (the next rollout resumes them): a
@@ -350,6 +358,7 @@ class Loop:
         advantages = grpo_advantages(rewards, use_std=self.algo.adv_use_std).reshape(-1).numpy()
         responses = [r for g in groups for r in g.responses]
         metrics = self.trainer.train_step(responses, advantages, self.cfg.temperature, self.version)
+        self.strategy.observe_floor(metrics.get("mismatch_ops_mean"))  # auto thresholds start from the floor
         self.version += 1
         on_engine = self.engine.response_ids()
         tracked = [r.response_id for r in responses if r.response_id in on_engine]
@@ -541,6 +550,11 @@ def verify_metrics(outcome: VerifyOutcome, cut: TokenCounts, backlog_cut: TokenC
         "switched": bool(outcome.switched),
         **({"switch_reason": outcome.switch_reason} if outcome.switched else {}),
     }
+
+
+def _context(r: Response) -> int:
+    """Tokens an engine prefills to (re)start a response: its prompt and what it holds."""
+    return len(r.prompt_ids) + r.num_tokens
 
 
 def _trained_ops(responses: Sequence[Response], metrics: dict) -> dict[str, float]:
