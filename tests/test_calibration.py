@@ -315,3 +315,21 @@ def test_every_mode_that_computes_ops_logs_drift_by_age():
                                                                               [lp for _, lp in pool], 10)
         assert out.stats["drift/age1_tokens"] > 0 and f"whatif/{grid_key(0.01)}" in out.stats, mode
     assert "drift/age1_tokens" not in make_strategy("partial").apply([r for r, _ in pool], None, 10).stats
+
+
+def test_drift_by_age_and_the_whatif_curves_are_plotted(tmp_path):
+    from types import SimpleNamespace
+
+    from rollverify.metrics import MetricsWriter, whatif_curves
+
+    pool = carried_pool(1e-2, 4)
+    strategy = make_strategy(cfg=AUTO)
+    with MetricsWriter(tmp_path, SimpleNamespace(tensorboard=False, plots=True, wandb=False)) as w:
+        for step in range(1, 7):
+            stats = strategy.apply([r for r, _ in pool], [lp for _, lp in pool], 10).stats
+            w.write({"step": step, **{f"verify/{k}": v for k, v in stats.items()}, "train/mismatch_ops_mean": 3e-7})
+    curves = whatif_curves(w.records)
+    assert sorted(curves) == list(range(1, 7)) and [x for x, _ in curves[1]] == list(D_S_GRID)
+    assert all(a >= b for (_, a), (_, b) in zip(curves[1][1:], curves[1], strict=False))  # looser d_s keeps more
+    for name in ("drift.png", "whatif.png", "overview.png"):
+        assert (tmp_path / "plots" / name).stat().st_size > 1000
