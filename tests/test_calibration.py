@@ -333,3 +333,23 @@ def test_drift_by_age_and_the_whatif_curves_are_plotted(tmp_path):
     assert all(a >= b for (_, a), (_, b) in zip(curves[1][1:], curves[1], strict=False))  # looser d_s keeps more
     for name in ("drift.png", "whatif.png", "overview.png"):
         assert (tmp_path / "plots" / name).stat().st_size > 1000
+
+
+def test_ops_budget_reports_the_auto_thresholds_cut_beside_the_grid():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import ops_budget
+
+    pool = carried_pool(1e-2, 5)
+    old = np.concatenate([r.logprobs for r, _ in pool])
+    new = np.concatenate([lp for _, lp in pool])
+    x = {"old": old, "new": new, "versions": np.concatenate([r.versions for r, _ in pool]),
+         "lengths": np.array([r.num_tokens for r, _ in pool])}
+    x["ops"] = np.abs(np.expm1(new.astype(np.float64) - old))
+    b = ops_budget.budget(x, 10)
+    auto = b["grid"][-1]
+    assert auto["auto"] and auto["d_s"] == pytest.approx(C_SEQ * x["ops"][x["versions"] == 9].mean(), rel=1e-3)
+    assert 0 < auto["tokens_cut"] < 1 and auto["mass_cut"] > auto["tokens_cut"]  # it cuts the drifted tokens
+    assert sum(s["token_share"] for s in b["by_staleness"]) == pytest.approx(1.0)
