@@ -219,6 +219,7 @@ class AsyncLoop:
         pending = self.calls.start(self.trainer.train_step, responses, advantages, self.cfg.temperature,
                                    self.version, old_logprobs=old)
         metrics = self.feed.await_call(pending)
+        self.verifier.observe_floor(metrics.get("mismatch_ops_mean"))  # auto thresholds start from the floor
         self.version += 1
         tracked = self.engine.response_ids()
         if done := [r.response_id for r in responses if r.response_id in tracked]:

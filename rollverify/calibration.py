@@ -20,7 +20,8 @@ least `MIN_TOKENS` one-version tokens; the median over them, so one odd step doe
     d_t        = the D_T_QUANTILE quantile of one-version token OPS
 
 where ``floor`` is the same-version engine/trainer mismatch (the trainer's ``mismatch_ops_mean``, handed over by
-the loop after each optimizer step; 0 until then) and ``sigma1`` the standard deviation of one-version token OPS,
+the loop after each optimizer step, or the mean D of the verified batch's own current-version tokens where it has
+at least MIN_TOKENS of them, as the asynchronous schedule's may; 0 until measured) and ``sigma1`` the standard deviation of one-version token OPS,
 each token capped at their D_T_QUANTILE quantile (a token above it is an outlier, the token stage's to cut).
 
 Why C_SEQ = 2 (docs/verification.md has the whole derivation): the paper gives acceptance 0.2 at d_s = 0.005 and
@@ -193,6 +194,10 @@ class AutoThresholds:
 
     def update(self, ops: Tensor, versions: Tensor, version: int) -> Thresholds:
         """Add this verification's one-version drift (when it has enough) and return its thresholds."""
+        same = ops[versions.long() == version].double()  # a schedule that verifies current-version tokens
+        same = same[torch.isfinite(same)]
+        if same.numel() >= MIN_TOKENS:
+            self.floor = float(same.mean())
         one = OneVersion.measure(ops, versions, version)
         if one is not None:
             self.history = [*self.history, asdict(one)][-WINDOW:]

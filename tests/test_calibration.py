@@ -353,3 +353,12 @@ def test_ops_budget_reports_the_auto_thresholds_cut_beside_the_grid():
     assert auto["auto"] and auto["d_s"] == pytest.approx(C_SEQ * x["ops"][x["versions"] == 9].mean(), rel=1e-3)
     assert 0 < auto["tokens_cut"] < 1 and auto["mass_cut"] > auto["tokens_cut"]  # it cuts the drifted tokens
     assert sum(s["token_share"] for s in b["by_staleness"]) == pytest.approx(1.0)
+
+
+def test_current_version_tokens_in_the_batch_give_the_floor():
+    auto = AutoThresholds()
+    auto.observe_floor(5e-4)
+    ops = torch.cat([torch.full((100,), 2e-6), torch.full((100,), 0.01)])
+    versions = torch.cat([torch.full((100,), 7), torch.full((100,), 6)])
+    t = auto.update(ops, versions, 7)
+    assert auto.floor == pytest.approx(2e-6) and t.d_s == pytest.approx(2e-6 + C_SEQ * 0.01)
