@@ -50,7 +50,6 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -115,10 +114,13 @@ def drift_stats(ops: Tensor, versions: Tensor, segments: VerifyResult, version: 
     return out
 
 
-def _quantiles(x: Tensor, qs: tuple[float, ...]) -> np.ndarray:
-    """Quantiles that are values of ``x`` (no interpolation: inf sorts last, so a non-finite value lies above
-    every quantile it does not reach, and a quantile it reaches is inf)."""
-    return np.quantile(x.cpu().numpy(), qs, method="inverted_cdf")
+def _quantiles(x: Tensor, qs: tuple[float, ...]) -> list[float]:
+    """Quantiles that are values of ``x`` (numpy's inverted_cdf: the smallest value whose share of values at or
+    below it is >= q; no interpolation, so inf sorts last and a quantile that reaches it is inf), by one sort on
+    ``x``'s device."""
+    n = x.numel()
+    values = torch.sort(x.reshape(-1)).values
+    return [float(values[max(math.ceil(n * q) - 1, 0)]) for q in qs]
 
 
 def whatif_acceptance(segments: VerifyResult, grid: tuple[float, ...] | list[float]) -> Tensor:
@@ -159,7 +161,7 @@ class OneVersion:
         finite = x[torch.isfinite(x)]
         if not finite.numel():
             return None
-        q_t = float(np.quantile(finite.cpu().numpy(), D_T_QUANTILE))  # a non-finite token fails any finite d_t
+        q_t = _quantiles(finite, (D_T_QUANTILE,))[0]  # a non-finite token fails any finite d_t
         capped = finite.clamp(max=q_t)
         return cls(delta1=float(finite.mean()), q_t=q_t, sigma=float(capped.std(unbiased=False)), tokens=int(x.numel()))
 
