@@ -9,8 +9,8 @@ accuracy where partial rollout loses accuracy? (docs/results.md, "Current result
 
 Every run is `configs/tiny_stale.yaml` (lr 1e-3, 40 steps) with the setting's `rollout.max_live` and
 `trainer.use_tis`, one evaluation at step 40 (512 prompts x 2) and the initial model's evaluation on the same
-seed's prompts (the step-0 eval: OUT/step0/s<seed>.json, once per seed). A run is OUT/<setting>/<mode>/s<seed>,
-skipped when its summary.json exists; every run of an invocation shares one SGLang server. The screen keeps
+seed's prompts (the step-0 eval: OUT/step0/s<seed>.json, once per seed). A run is OUT/<setting>/<mode>/s<seed>
+(on-policy's OUT/_on_policy/s<seed>, shared by every setting), skipped when its summary.json exists; every run of an invocation shares one SGLang server. The screen keeps
 checkpoints (every 10 steps). The table gives per seed and mode the eval reward, acceptance, generated tokens per
 trained token, decode iterations and the priced cost (rollverify/pricing.py) per step; the means over seeds with
 standard errors, the differences to on-policy and to partial with paired standard errors, and which outcome of
@@ -52,6 +52,11 @@ LABELS = {"on_policy": "on-policy", "partial": "partial", "rv_auto": "RollVerify
 
 
 def run_dir(out: Path, setting: str, mode: str, seed: int) -> Path:
+    """OUT/<setting>/<mode>/s<seed>; on-policy's under OUT/_on_policy: it carries nothing over, so neither
+    `rollout.max_live` nor TIS (whose weight on a token of the trainer's own weights is the fp32 floor's 1 +- 3e-7)
+    changes its run, and every setting shares it."""
+    if mode == "on_policy":
+        return out / "_on_policy" / f"s{seed}"
     return out / setting / mode / f"s{seed}"
 
 
