@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -111,7 +112,9 @@ def run_all(out: Path, todo: list[tuple[str, str, int]], extra: list[str]) -> li
     cpu_compat.activate()
     out.mkdir(parents=True, exist_ok=True)
     model = resolve_model(base)
-    with launch_server(model, engine_args=dict(base.rollout.engine_args), log_path=out / "server.log",
+    log = out / "logs" / f"server-{os.getpid()}.log"  # one per invocation: batches may run side by side
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with launch_server(model, engine_args=dict(base.rollout.engine_args), log_path=log,
                        startup_timeout_s=1800) as server:
         endpoint = f'rollout.endpoints=["{server.endpoint}"]'
         for seed in seeds:
