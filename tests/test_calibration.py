@@ -5,7 +5,7 @@ scales spanning 1000x (and the simulator's DriftModel at as many): the auto thre
 share of tokens at each, where the paper's absolute d_s = 0.01 keeps everything at the smallest scale and nothing
 at the largest. Beyond them, where one version moves a token's log-probability by ~1 (probabilities change
 e-fold per version), |ratio - 1| is no longer near-linear in the log-ratio and auto acceptance rises (scripted:
-0.90 at 1.0 against 0.77 at 1e-2); docs/verification.md says so.
+0.90 at 1.0 against 0.78 at 1e-2); docs/verification.md says so.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def naive_drift(ops, versions, lengths, version):
     return out
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(lay=layout, seed=st.integers(0, 2**32 - 1), scale=st.sampled_from([1e-4, 1e-2, 1.0]), version=st.integers(4, 8),
        special=st.lists(st.sampled_from([math.nan, math.inf, 0.0]), max_size=2))
 def test_drift_stats_match_the_naive_reference(lay, seed, scale, version, special):
@@ -153,7 +153,7 @@ def reference_margin_keep(ops, versions, lengths, d_s, margin):
     return keep
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(lay=layout, seed=st.integers(0, 2**32 - 1), d_s=st.sampled_from([0.0, 0.005, 0.02]),
        margin=st.sampled_from([0.0, 0.01, 0.05]))
 def test_the_length_margin_matches_the_reference(lay, seed, d_s, margin):
