@@ -262,7 +262,6 @@ class Strategy:
                  full_keep - keep), **_token_ops_stats(ops), **_drift(batch, ops, segments, policy_version), **stats}
         return VerifyOutcome(batch.response_ids, full, full_keep, stats)
 
-
     def _keep(
         self, batch: VerifyBatch, ops: Tensor | None, responses: Sequence[Response], version: int
     ) -> tuple[Tensor, dict[str, float]]:
