@@ -104,9 +104,9 @@ def run_all(out: Path, todo: list[tuple[str, str, int]], extra: list[str]) -> li
     from sglang_ext.launch import launch_server
 
     failed = []
-    todo = [t for t in todo if not (run_dir(out, *t) / "summary.json").exists()]
     seeds = sorted({s for *_, s in todo})
-    if not todo:
+    todo = [t for t in todo if not (run_dir(out, *t) / "summary.json").exists()]
+    if not todo and all(step0(out, s) is not None for s in seeds):
         return failed
     base = load_config(CONFIG, [*COMMON, *extra])
     cpu_compat.activate()
@@ -117,15 +117,6 @@ def run_all(out: Path, todo: list[tuple[str, str, int]], extra: list[str]) -> li
     with launch_server(model, engine_args=dict(base.rollout.engine_args), log_path=log,
                        startup_timeout_s=1800) as server:
         endpoint = f'rollout.endpoints=["{server.endpoint}"]'
-        for seed in seeds:
-            if step0(out, seed) is None:
-                print(f"[settle] step-0 eval seed {seed}", flush=True)
-                try:
-                    evaluate_checkpoint(load_config(CONFIG, [*COMMON, *extra, f"seed={seed}", endpoint]), model,
-                                        out / "step0" / f"s{seed}.json")
-                except Exception:
-                    traceback.print_exc()
-                    failed.append(["step0", seed])
         for setting, mode, seed in todo:
             d = run_dir(out, setting, mode, seed)
             t0 = time.perf_counter()
@@ -140,6 +131,15 @@ def run_all(out: Path, todo: list[tuple[str, str, int]], extra: list[str]) -> li
             except Exception:  # one failed run must not stop the batch: reported, rerun next time
                 traceback.print_exc()
                 failed.append([setting, mode, seed])
+        for seed in seeds:  # after the runs: what the runs decide does not wait for them
+            if step0(out, seed) is None:
+                print(f"[settle] step-0 eval seed {seed}", flush=True)
+                try:
+                    evaluate_checkpoint(load_config(CONFIG, [*COMMON, *extra, f"seed={seed}", endpoint]), model,
+                                        out / "step0" / f"s{seed}.json")
+                except Exception:
+                    traceback.print_exc()
+                    failed.append(["step0", seed])
     return failed
 
 
