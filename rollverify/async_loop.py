@@ -44,7 +44,7 @@ import numpy as np
 
 from rollverify.buffer import RolloutBuffer
 from rollverify.loop import Loop, StepResult
-from rollverify.rollout import SYNC_PREFIX, VERIFY_PREFIX, Rollout, Schedule
+from rollverify.rollout import SYNC_PREFIX, TRAIN_PREFIX, VERIFY_PREFIX, Rollout, Schedule
 from rollverify.strategies import AlgoConfig, ConditionalSwitch, VerifyOutcome, make_strategy
 from rollverify.types import Group, Response
 
@@ -139,6 +139,8 @@ class AsyncLoop(Schedule):
         groups, old, verified = taken
         t1 = time.perf_counter()
         train_metrics = r.train(groups, self.algo.adv_use_std, old, call=self._background)
+        # auto thresholds start from the same-version mismatch floor
+        self.verifier.observe_floor(train_metrics.get(TRAIN_PREFIX + "mismatch_ops_mean"))
         t2 = time.perf_counter()
         published = self._publish()
         t3 = time.perf_counter()
@@ -268,7 +270,7 @@ class AsyncLoop(Schedule):
             out.update(self._verify_in_flight())
             out["engine_verify_s"] = time.perf_counter() - t1
         out["n_restarted_stale"] = self._bound_staleness()
-        r.engine.resume()
+        r.resume()
         return {**out, **{SYNC_PREFIX + k: v for k, v in pushed.items()}}
 
     def _verify_in_flight(self) -> dict[str, Any]:

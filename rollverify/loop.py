@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollverify.buffer import RolloutBuffer, TokenCounts
-from rollverify.rollout import SYNC_PREFIX, VERIFY_PREFIX, Rollout, Schedule
+from rollverify.rollout import SYNC_PREFIX, TRAIN_PREFIX, VERIFY_PREFIX, Rollout, Schedule
 from rollverify.strategies import AlgoConfig, Strategy, VerifyOutcome, make_strategy
 from rollverify.types import Group, Response
 
@@ -62,6 +62,8 @@ class Loop(Schedule):
         groups = r.buffer.pop_finished(self.cfg.batch_groups)
         r.weights.before_training()
         train_metrics = r.train(groups, self.algo.adv_use_std)
+        # auto thresholds start from the same-version mismatch floor
+        self.strategy.observe_floor(train_metrics.get(TRAIN_PREFIX + "mismatch_ops_mean"))
         t2 = time.perf_counter()
         verified, verify_s, sync_s = self._verify_and_sync()
         t4 = time.perf_counter()
@@ -85,7 +87,7 @@ class Loop(Schedule):
         """Step 1; returns the phase's figures (`StepCounts`) and how many responses the pause stopped."""
         r, b = self.rollout, self.cfg.batch_groups
         r.begin_step()
-        r.engine.resume()
+        r.resume()
         # on_policy completes exactly B groups, the backlog's first; the carry-over modes keep the engines full
         phase = None if self.strategy.carries_over else r.first_groups()
         # after a restore, a lost server or a switch the engine no longer holds some unfinished responses

@@ -330,6 +330,18 @@ PANELS = (
         "responses",
     ),
     (
+        "drift",
+        "Drift by age: carried tokens' OPS (and d_s in use)",
+        [
+            ("verify/drift/age1_ops_mean", "1 version old"),
+            ("verify/drift/age2_ops_mean", "2 versions old"),
+            ("verify/drift/age3p_ops_mean", "3+ versions old"),
+            ("train/mismatch_ops_mean", "same version (engine/trainer floor)"),
+            ("verify/d_s", "d_s"),
+        ],
+        "mean |p_new / p_old - 1|",
+    ),
+    (
         "mismatch",
         "Trained tokens: trainer vs engine log-probs",
         [
@@ -391,7 +403,7 @@ def _figure(nrows: int = 1, ncols: int = 1, size: tuple[float, float] = (6.0, 3.
 
 
 # panels whose series differ by orders of magnitude (the kernels' floor beside a policy's drift)
-LOG_PANELS = frozenset({"mismatch"})
+LOG_PANELS = frozenset({"mismatch", "drift"})
 
 
 def _draw_panel(ax, records, title, series, ylabel, switch, log: bool = False) -> None:
@@ -418,8 +430,9 @@ def _draw_panel(ax, records, title, series, ylabel, switch, log: bool = False) -
 
 
 def plot_run(records: Sequence[Mapping[str, Any]], out_dir: str | Path) -> list[Path]:
-    """One PNG per panel (reward, entropy, OPS, acceptance, cuts, mismatch, decode iterations, step time) and an
-    overview with all of them."""
+    """One PNG per panel (reward, entropy, OPS, acceptance, cuts, drift by age, mismatch, decode iterations, step
+    time), an overview with all of them, and the what-if acceptance curves (whatif.png) where verification logged
+    them."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     switch = switch_step(records)
@@ -429,13 +442,16 @@ def plot_run(records: Sequence[Mapping[str, Any]], out_dir: str | Path) -> list[
         _draw_panel(ax, records, title, series, ylabel, switch, log=name in LOG_PANELS)
         paths.append(out_dir / f"{name}.png")
         fig.savefig(paths[-1], dpi=100)
-    fig, axes = _figure(2, 4, size=(5.0, 3.4))
+    fig, axes = _figure(-(-len(PANELS) // 4), 4, size=(5.0, 3.4))
     for ax, (name, title, series, ylabel) in zip(axes, PANELS, strict=False):
         _draw_panel(ax, records, title, series, ylabel, switch, log=name in LOG_PANELS)
     for ax in axes[len(PANELS) :]:
         ax.set_visible(False)
     paths.append(out_dir / "overview.png")
     fig.savefig(paths[-1], dpi=90)
+    whatif = plot_whatif(records, out_dir / "whatif.png")
+    if whatif is not None:
+        paths.append(whatif)
     keys = eval_set_keys(records)
     if keys:  # one panel per statistic (avg@k, pass@k), one line per eval set
         stats = sorted({k.rsplit("/", 1)[1] for k in keys})
@@ -446,6 +462,51 @@ def plot_run(records: Sequence[Mapping[str, Any]], out_dir: str | Path) -> list[
         paths.append(out_dir / "eval_sets.png")
         fig.savefig(paths[-1], dpi=100)
     return paths
+
+
+WHATIF_PREFIX = "verify/whatif/ds_"
+
+
+def whatif_curves(records: Sequence[Mapping[str, Any]]) -> dict[int, list[tuple[float, float]]]:
+    """step -> [(d_s, acceptance)] of the what-if curve each verification logged (the sequence stage alone at
+    each d_s of rollverify.calibration.D_S_GRID), sorted by d_s."""
+    out = {}
+    for r in records:
+        pts = sorted((float(k.removeprefix(WHATIF_PREFIX)), float(v)) for k, v in r.items()
+                     if k.startswith(WHATIF_PREFIX) and isinstance(v, (int, float)))
+        if pts:
+            out[r["step"]] = pts
+    return out
+
+
+def plot_whatif(records: Sequence[Mapping[str, Any]], out: str | Path) -> Path | None:
+    """The what-if acceptance curves (acceptance against d_s, log scale) of a few steps spread over the run and
+    their mean, with the d_s the run verified at; None when no step logged one."""
+    curves = whatif_curves(records)
+    if not curves:
+        return None
+    steps = sorted(curves)
+    shown = sorted({steps[round(i * (len(steps) - 1) / 4)] for i in range(5)})
+    fig, (ax,) = _figure()
+    ax.set_xscale("log")
+    for k in shown:
+        xs, ys = zip(*curves[k], strict=True)
+        ax.plot(xs, ys, marker="o", markersize=3, label=f"step {k}")
+    grid = sorted({x for c in curves.values() for x, _ in c})
+    mean = [sum(dict(c).get(x, math.nan) for c in curves.values()) / len(curves) for x in grid]
+    ax.plot(grid, mean, color="black", linewidth=2, label="mean over steps")
+    d_s = _values(records, "verify/d_s")
+    if d_s:
+        ax.axvline(sum(d_s) / len(d_s), color="gray", linestyle="--", linewidth=1, label="d_s in use (mean)")
+    ax.set_title("What-if acceptance of the sequence stage")
+    ax.set_xlabel("d_s")
+    ax.set_ylabel("kept / verified tokens")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    out = Path(out)
+    fig.savefig(out, dpi=100)
+    return out
 
 
 # (title, key, x axis, y label) of the comparison figure

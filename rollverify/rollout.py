@@ -124,6 +124,7 @@ class StepCounts:
     tokens: dict[str, int] = field(default_factory=dict)  # policy tokens each response received in the step
     launched_groups: int = 0
     resubmitted: int = 0  # a lost server's responses resubmitted
+    prefill: int = 0  # prompt + prefix tokens the engines prefilled for launches, resumes and resubmissions
 
     def figures(self, ledger: Ledger) -> dict[str, Any]:
         return {
@@ -137,6 +138,8 @@ class StepCounts:
             # Hardware-neutral: on a GPU a decode iteration costs about the same at batch 4 as at 64, on a CPU
             # in proportion to the batch.
             "decode_iters": max(self.tokens.values(), default=0),
+            # each response counted whole (no prefix sharing assumed); rollverify/pricing.py prices them
+            "prefill_tokens": self.prefill,
             "n_launched_groups": self.launched_groups,
             "n_resubmitted": self.resubmitted,
         }
@@ -248,6 +251,14 @@ class Rollout:
             responses = self.tools.submittable(responses)
         if responses:
             self.engine.submit(responses, self.sampling)
+            self.counts.prefill += sum(context_tokens(r) for r in responses)
+
+    def resume(self) -> None:
+        """The engines generate again; the unfinished responses they hold prefill their prompt and prefix again
+        under the weights pushed meanwhile."""
+        held = [self.held(rid) for rid in self.engine.response_ids()]
+        self.counts.prefill += sum(context_tokens(r) for r in held if r is not None and not r.finished)
+        self.engine.resume()
 
     def submit_missing(self, groups: Collection[int] | None = None) -> int:
         """Submit every unfinished buffer response (of `groups`, when given) that the engines do not hold;
@@ -532,6 +543,11 @@ class Schedule:
 
     def close(self) -> None:
         """The schedule's own resources released (the engine and the trainer are the application's)."""
+
+
+def context_tokens(r: Response) -> int:
+    """Tokens an engine prefills to (re)start a response: its prompt and what it holds."""
+    return len(r.prompt_ids) + r.num_tokens
 
 
 def trained_ops(metrics: dict) -> dict[str, float]:

@@ -12,7 +12,8 @@
 Every strategy maps (carried-over responses, the trainer's new log-probs, new policy version) to a
 ``VerifyOutcome``: a keep length per response plus the statistics the loop logs, whole, under ``verify/``.
 Token OPS of the carried tokens is computed once per call, in ``Strategy.apply``, whenever new log-probs are
-given: it feeds both the ``ops_mean`` statistic and the OPS-based decisions.
+given: it feeds the ``ops_mean`` statistic, the drift by age (``drift/``, ``whatif/``: rollverify/calibration.py)
+and the OPS-based decisions. RollVerify's thresholds are numbers or ``auto`` (set from that drift every step).
 
 Strategies see policy tokens only (``VerifyBatch``): OPS, segments, both stages, acceptance and the switch
 count them, environment tokens never cause a cut, and ``apply`` maps each keep length back to the whole
@@ -30,6 +31,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from rollverify.calibration import AUTO, AutoThresholds, drift_stats, parse_threshold
 from rollverify.types import Response, VerifyBatch
 from rollverify.verify import D_S, D_T, VerifyResult, token_ops, two_stage_verify_ops
 
@@ -48,8 +50,10 @@ class AlgoConfig:
     """Algorithm settings (defaults: the paper's)."""
 
     mode: str = "rollverify"
-    d_s: float = D_S  # sequence-level threshold on a segment's mean OPS
-    d_t: float = D_T  # token-level threshold
+    # sequence-level threshold on a segment's mean OPS, and token-level threshold: numbers (inf: stage off), or
+    # "auto": set every verification from the measured one-version drift (rollverify/calibration.py)
+    d_s: float | str = D_S
+    d_t: float | str = D_T
     seq_stage: bool = True
     token_stage: bool = True
     staleness_s: int = 1  # staleness_filter: restart responses older than this many versions
@@ -100,7 +104,9 @@ class AlgoConfig:
             raise bad("spec_p_min", "a number in [0, 1] (0: off)")
         if isinstance(self.spec_seed, bool) or not isinstance(self.spec_seed, int):
             raise bad("spec_seed", "an integer")
-        for key in ("d_s", "d_t", "ops_gamma"):
+        for key in ("d_s", "d_t"):
+            setattr(self, key, parse_threshold(getattr(self, key), key))
+        for key in ("ops_gamma",):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
                 raise bad(key, "a number >= 0 (inf turns it off)")
@@ -221,6 +227,10 @@ class Strategy:
     def __init__(self, device: str | torch.device = "cpu") -> None:
         self.device = torch.device(device)
 
+    def observe_floor(self, mismatch_ops_mean: float | None) -> None:
+        """The latest optimizer step's same-version engine/trainer mismatch (mean OPS of the tokens sampled by
+        the weights the trainer held); only thresholds set from the drift read it."""
+
     def apply(
         self, responses: Sequence[Response], new_logprobs: NewLogprobs = None, policy_version: int = 0
     ) -> VerifyOutcome:
@@ -236,12 +246,12 @@ class Strategy:
         if new_logprobs is not None or self.needs_new_logprobs:
             new = batch.policy_only(_pack_new_logprobs(new_logprobs, batch))
             ops = token_ops(batch.logprobs, new)
-        keep, stats = self._decide(batch, new, ops, responses, policy_version)
+        keep, stats, segments = self._decide(batch, new, ops, responses, policy_version)
         full_keep = batch.full_keep(keep.to(torch.int64)).cpu().numpy().astype(np.int64)
         lengths, keep = batch.lengths.cpu().numpy(), keep.cpu().numpy().astype(np.int64)
         full = batch.full_lengths.cpu().numpy()
         stats = {**_common_stats(responses, lengths, keep, policy_version), **_env_stats(full - lengths,
-                 full_keep - keep), **_token_ops_stats(ops), **stats}
+                 full_keep - keep), **_token_ops_stats(ops), **_drift(batch, ops, segments, policy_version), **stats}
         return VerifyOutcome(batch.response_ids, full, full_keep, stats)
 
     def _keep(
@@ -252,9 +262,10 @@ class Strategy:
 
     def _decide(
         self, batch: VerifyBatch, new: Tensor | None, ops: Tensor | None, responses: Sequence[Response], version: int
-    ) -> tuple[Tensor, dict[str, float]]:
-        """`_keep`, for strategies that also read the packed new log-probs ``new`` [N] (None when not given)."""
-        return self._keep(batch, ops, responses, version)
+    ) -> tuple[Tensor, dict[str, float], VerifyResult | None]:
+        """`_keep`, for strategies that also read the packed new log-probs ``new`` [N] (None when not given) or
+        verify: the third item is their verification's result, whose segments the drift statistics reuse."""
+        return *self._keep(batch, ops, responses, version), None
 
     def to_state(self) -> dict[str, Any]:
         """JSON-able state for checkpoints (only conditional switching has any)."""
@@ -307,25 +318,46 @@ class OpsFilter(Strategy):
         super().__init__(device)
         self.ops_gamma = ops_gamma
 
-    def _keep(self, batch, ops, responses, version):
+    def _decide(self, batch, new, ops, responses, version):
         result = two_stage_verify_ops(ops, batch.versions, batch.lengths, math.inf, math.inf)
         drop = result.response_mean_ops >= self.ops_gamma
-        return torch.where(drop, 0, batch.lengths), _ops_stats(result)
+        return torch.where(drop, 0, batch.lengths), _ops_stats(result), result
 
 
 class RollVerify(Strategy):
-    """Keep each response's two-stage verified prefix (a stage is off when its threshold is inf)."""
+    """Keep each response's two-stage verified prefix (a stage is off when its threshold is inf). A threshold
+    "auto" is set every verification from the drift it measures (`AutoThresholds`), before it verifies."""
 
     mode = "rollverify"
     needs_new_logprobs = True
 
-    def __init__(self, d_s: float = D_S, d_t: float = D_T, device: str | torch.device = "cpu") -> None:
+    def __init__(self, d_s: float | str = D_S, d_t: float | str = D_T, device: str | torch.device = "cpu") -> None:
         super().__init__(device)
         self.d_s, self.d_t = d_s, d_t
+        self.auto = None
+        if AUTO in (d_s, d_t):
+            self.auto = AutoThresholds(auto_s=d_s == AUTO, auto_t=d_t == AUTO, d_s=0.0 if d_s == AUTO else d_s,
+                                       d_t=0.0 if d_t == AUTO else d_t)
 
-    def _keep(self, batch, ops, responses, version):
-        result = two_stage_verify_ops(ops, batch.versions, batch.lengths, self.d_s, self.d_t)
-        return result.keep_lengths, _ops_stats(result)
+    def observe_floor(self, mismatch_ops_mean):
+        if self.auto is not None:
+            self.auto.observe_floor(mismatch_ops_mean)
+
+    def _decide(self, batch, new, ops, responses, version):
+        if self.auto is None:
+            result = two_stage_verify_ops(ops, batch.versions, batch.lengths, self.d_s, self.d_t)
+            return result.keep_lengths, _ops_stats(result), result
+        used = self.auto.update(ops, batch.versions, version)
+        result = two_stage_verify_ops(ops, batch.versions, batch.lengths, used.d_s, used.d_t,
+                                      seq_margin=used.seq_margin)
+        return result.keep_lengths, {**_ops_stats(result), **self.auto.stats(used)}, result
+
+    def to_state(self) -> dict[str, Any]:
+        return {"auto": self.auto.to_state()} if self.auto is not None else {}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        if self.auto is not None and "auto" in state:
+            self.auto = AutoThresholds.from_state(state["auto"])
 
 
 class SpecCut(Strategy):
@@ -356,7 +388,7 @@ class SpecCut(Strategy):
         keep = first_false(accept, batch.lengths)
         return keep, {"spec_rejected_tokens": float((~accept).sum()),
                       "spec_accept_prob_mean": float(torch.exp(delta.clamp(max=0)).nan_to_num(0.0).mean())
-                      if batch.num_tokens else 1.0}
+                      if batch.num_tokens else 1.0}, None
 
 
 def first_false(flags: Tensor, lengths: Tensor) -> Tensor:
@@ -384,6 +416,9 @@ class Switching(Strategy):
         self.inner, self.switch = inner, switch
         self.needs_new_logprobs = inner.needs_new_logprobs
 
+    def observe_floor(self, mismatch_ops_mean):
+        self.inner.observe_floor(mismatch_ops_mean)
+
     @property
     def mode(self) -> str:  # type: ignore[override]
         return OnPolicy.mode if self.switch.switched else self.inner.mode
@@ -409,10 +444,11 @@ class Switching(Strategy):
         return outcome
 
     def to_state(self) -> dict[str, Any]:
-        return {"switch": self.switch.to_state()}
+        return {"switch": self.switch.to_state(), **({"inner": inner} if (inner := self.inner.to_state()) else {})}
 
     def load_state(self, state: dict[str, Any]) -> None:
         self.switch = ConditionalSwitch.from_state(state["switch"])
+        self.inner.load_state(state.get("inner", {}))
 
 
 def make_strategy(mode: str | None = None, cfg: AlgoConfig | None = None, device: str = "cpu") -> Strategy:
@@ -430,8 +466,8 @@ def make_strategy(mode: str | None = None, cfg: AlgoConfig | None = None, device
     if mode == "spec_rl":
         return SpecCut(cfg.spec_lenience, cfg.spec_scale, cfg.spec_p_min, cfg.spec_seed, device)
     if mode == "rollverify":
-        d_s = cfg.d_s if cfg.seq_stage else math.inf
-        d_t = cfg.d_t if cfg.token_stage else math.inf
+        d_s = parse_threshold(cfg.d_s, "d_s") if cfg.seq_stage else math.inf
+        d_t = parse_threshold(cfg.d_t, "d_t") if cfg.token_stage else math.inf
         strategy = RollVerify(d_s, d_t, device)
         if not cfg.conditional_switch:
             return strategy
@@ -493,6 +529,16 @@ def _common_stats(
 def _env_stats(env: np.ndarray, env_kept: np.ndarray) -> dict[str, float]:
     """Environment tokens of the verified responses and how many the cuts kept (a cut removes those after it)."""
     return {"env_tokens": float(env.sum()), "env_kept_tokens": float(env_kept.sum())}
+
+
+def _drift(batch: VerifyBatch, ops: Tensor | None, segments: VerifyResult | None, version: int) -> dict[str, float]:
+    """Drift by age and the what-if acceptance curve (rollverify/calibration.py) whenever OPS was computed, over
+    the segments of the strategy's own verification when it ran one."""
+    if ops is None or not batch.num_tokens:
+        return {}
+    if segments is None:
+        segments = two_stage_verify_ops(ops, batch.versions, batch.lengths, math.inf, math.inf)
+    return drift_stats(ops, batch.versions, segments, version)
 
 
 def _token_ops_stats(ops: Tensor | None) -> dict[str, float]:

@@ -7,10 +7,12 @@ The inputs are *packed*: the generated tokens of R responses laid end to end in 
 
 Segments are maximal runs of equal policy version inside one response. Verification keeps a prefix:
 
-    L1 = start of the first segment whose mean D >= d_s                  (else the whole response)
-    L2 = index of the first token in [0, L1) with D >= d_t               (else L1)
+    L1 = start of the first segment whose mean D >= d_s + seq_margin / sqrt(its length)   (else the whole response)
+    L2 = index of the first token in [0, L1) with D >= d_t                                 (else L1)
 
-and ``keep_lengths = L2``. An infinite threshold turns its stage off.
+and ``keep_lengths = L2``. An infinite threshold turns its stage off. ``seq_margin`` (default 0: the paper's
+stage) raises a segment's threshold by a multiple of its mean's standard error, so that a short segment is cut
+for its drift, not for one outlier token (rollverify/calibration.py sets it with ``d_s: auto``).
 
 Everything is vectorised, and the packed inputs are read once: on CPU the tokens stream through in
 cache-sized blocks, and per block the only per-token work is computing D, one sum per row of ``ROW``
@@ -125,6 +127,7 @@ def two_stage_verify(
     d_s: float = D_S,
     d_t: float = D_T,
     *,
+    seq_margin: float = 0.0,
     block: int | None = None,
 ) -> VerifyResult:
     """Two-stage verification of packed responses; ``result.keep_lengths`` is the prefix to keep.
@@ -134,6 +137,7 @@ def two_stage_verify(
     versions:     [N] integer policy version that generated each token.
     lengths:      [R] integer token count per response, summing to N.
     d_s, d_t:     sequence- and token-level thresholds, >= 0; ``math.inf`` turns a stage off.
+    seq_margin:   >= 0, finite: a segment of length l is cut when its mean D >= d_s + seq_margin / sqrt(l).
     block:        tokens per streamed block (default: cache-sized on CPU, everything at once elsewhere).
     """
     old, new = _as_tensor(old_logprobs, "old_logprobs"), _as_tensor(new_logprobs, "new_logprobs")
@@ -148,9 +152,9 @@ def two_stage_verify(
         raise ValueError(f"new_logprobs must be on old_logprobs' device {old.device}, got {new.device}")
     versions, lengths = _check_segments_input(versions, lengths, old.shape[0], old.device)
     d_s, d_t = _check_threshold(d_s, "d_s"), _check_threshold(d_t, "d_t")
-
+    seq_margin = _check_margin(seq_margin)
     block = _check_block(block, old)
-    return _verify(_Source((old, new), token_ops, series_ops), versions, lengths, d_s, d_t, block)
+    return _verify(_Source((old, new), token_ops, series_ops), versions, lengths, d_s, d_t, block, seq_margin)
 
 
 def two_stage_verify_ops(
@@ -160,6 +164,7 @@ def two_stage_verify_ops(
     d_s: float = D_S,
     d_t: float = D_T,
     *,
+    seq_margin: float = 0.0,
     block: int | None = None,
 ) -> VerifyResult:
     """The same verification from precomputed token OPS ``ops`` = D ([N], >= 0; NaN counts as inf)."""
@@ -170,9 +175,9 @@ def two_stage_verify_ops(
         raise ValueError("ops must be >= 0 (D = |ratio - 1|) or NaN, got a negative value")
     versions, lengths = _check_segments_input(versions, lengths, d.shape[0], d.device)
     d_s, d_t = _check_threshold(d_s, "d_s"), _check_threshold(d_t, "d_t")
+    seq_margin = _check_margin(seq_margin)
     block = _check_block(block, d)
-
-    return _verify(_Source((d,), nan_to_inf, nan_to_inf), versions, lengths, d_s, d_t, block)
+    return _verify(_Source((d,), nan_to_inf, nan_to_inf), versions, lengths, d_s, d_t, block, seq_margin)
 
 
 # --- the algorithm ----------------------------------------------------------------------------------------
@@ -195,7 +200,8 @@ class _Source:
         return self.fn(*(_gather_rows(x, rows) for x in self.inputs))
 
 
-def _verify(ops: _Source, versions: Tensor, lengths: Tensor, d_s: float, d_t: float, block: int) -> VerifyResult:
+def _verify(ops: _Source, versions: Tensor, lengths: Tensor, d_s: float, d_t: float, block: int,
+            seq_margin: float = 0.0) -> VerifyResult:
     """Both stages, reading D from ``ops``."""
     n = versions.shape[0]
     ends = torch.cumsum(lengths, 0)
@@ -208,10 +214,10 @@ def _verify(ops: _Source, versions: Tensor, lengths: Tensor, d_s: float, d_t: fl
     seg_sum = _segment_sums(ops, row_sums, starts)
     seg_mean = seg_sum / seg_len
 
-    # Sequence stage: the first segment with mean D >= d_s, and everything after it, is cut.
+    # Sequence stage: the first segment with mean D >= its threshold, and everything after it, is cut.
     keep1 = lengths.clone()
     if d_s < math.inf:
-        bad = seg_mean >= d_s
+        bad = seg_mean >= (d_s + seq_margin * seg_len.double().rsqrt() if seq_margin else d_s)
         keep1.scatter_reduce_(0, seg_resp[bad], (starts - offsets[seg_resp])[bad], "amin")
 
     # Token stage: the first token in [0, L1) with D >= d_t, and everything after it, is cut.
@@ -401,6 +407,12 @@ def _check_block(block: int | None, x: Tensor) -> int:
     if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
         raise ValueError(f"block must be a positive number of tokens, got {block!r}")
     return block
+
+
+def _check_margin(x: float) -> float:
+    if isinstance(x, bool) or not isinstance(x, int | float | np.integer | np.floating) or not 0 <= x < math.inf:
+        raise ValueError(f"seq_margin must be a finite number >= 0 (0: no length correction), got {x!r}")
+    return float(x)
 
 
 def _check_threshold(x: float, name: str) -> float:

@@ -45,15 +45,15 @@ def test_verdict_states_ratios_with_intervals_and_the_eval_difference():
     r, lo, hi = ratio_interval(50.0, 5.0, 100.0, 0.0)  # 10 % relative error -> +- 1.96 * 0.05
     assert r == 0.5 and math.isclose(lo, 0.5 - 0.098) and math.isclose(hi, 0.5 + 0.098)
     results = {
-        "on_policy": {"decode_iters": 100.0, "decode_iters_se": 0.0, "step_s": 2.0, "step_s_se": 0.0,
-                      "eval_last": 0.40, "eval_se": 0.010},
-        "rollverify": {"decode_iters": 50.0, "decode_iters_se": 5.0, "step_s": 1.5, "step_s_se": float("nan"),
-                       "eval_last": 0.38, "eval_se": 0.010},
+        "on_policy": {"priced": 200.0, "priced_se": 0.0, "decode_iters": 100.0, "generated_per_trained": 1.0,
+                      "step_s": 2.0, "eval_last": 0.40, "eval_se": 0.010},
+        "rollverify": {"priced": 100.0, "priced_se": 10.0, "decode_iters": 50.0, "generated_per_trained": 1.31,
+                       "step_s": 1.5, "eval_last": 0.38, "eval_se": 0.010},
     }
     (line,) = verdict(results)
     assert line == (
-        "rollverify / on_policy: decode iterations/step 0.50x [0.40, 0.60]; wall step time 0.75x [-, -]; "
-        "eval reward 0.380 +- 0.020 [0.360, 0.400] vs 0.400 +- 0.020 [0.380, 0.420]: "
+        "rollverify / on_policy: priced cost 0.50x [0.40, 0.60] (decode iterations 0.50x, tokens generated per "
+        "trained 1.31 vs 1.00); eval reward 0.380 +- 0.020 [0.360, 0.400] vs 0.400 +- 0.020 [0.380, 0.420]: "
         "difference -0.020 +- 0.028 (within the noise)"
     )
     results["rollverify"]["eval_last"] = 0.34

@@ -81,6 +81,9 @@ def test_strategy_statistics_reach_the_metrics_whole_and_ops_is_computed_once_a_
         assert m["ops_mean"] == m["verify/ops_mean"] > 0  # partial reports it too (monitor_ops)
         assert m["acceptance_rate"] == m["verify/acceptance_rate"]
         stats = {k.removeprefix("verify/") for k in m if k.startswith("verify/")}
+        drift = {k for k in stats if k.startswith(("drift/", "whatif/"))}  # drift by age: calibration.py's
+        assert "drift/age1_ops_mean" in drift and "whatif/ds_1e-02" in drift
+        stats -= drift
         if mode == "rollverify":
             assert stats == VERIFY_STATS
             assert m["verify/cut_by_seq_stage"] + m["verify/cut_by_token_stage"] >= m["verify/truncated"]

@@ -11,6 +11,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import paper_tables as pt  # noqa: E402
 
+from rollverify.pricing import PRICES  # noqa: E402
+
 # per run: (eval reward, trained-token OPS, acceptance, decode iterations per step); each claim of the paper holds
 HOLDS = {
     "on_policy": (0.50, 0.0, None, 140.0),
@@ -38,6 +40,7 @@ def write_run(run_dir: Path, eval_reward: float, ops: float, acceptance: float |
         late = step > steps * 2 // 3
         records.append({
             "step": step, "step_s": 1.0, "decode_iters": iters, "acceptance_rate": acceptance,
+            "tokens_generated": 300, "prefill_tokens": 500,
             "trained_ops_mean": ops * (grow if late else 1.0), "train/entropy": 0.1 * (grow if late else 1.0),
             "eval_reward": eval_reward if step == steps else None,
         })
@@ -90,8 +93,10 @@ def test_a_missing_run_reads_na_and_the_report_says_how_many_seeds(tmp_path):
     agg = pt.aggregate(tmp_path, [0, 1])
     report = pt.write_report(tmp_path, [0, 1], agg, [], {"ran": [], "failed": [], "wall_s": 0.0})
     text = report.read_text()
-    assert "| partial SAPO (`partial_sapo`) | — | — | — | — | — | — | 0 |" in text
-    assert "| partial (`partial`) | 1.00 [1.00, 1.00] | 25.0 [25.0, 25.0] | 1.50 [1.50, 1.50] |" in text
+    assert "| partial SAPO (`partial_sapo`) | — | — | — | — | — | — | — | 0 |" in text
+    priced = pt._cell(agg, "partial", "priced", "{:.1f}")
+    assert f"| partial (`partial`) | {priced} | 25.0 [25.0, 25.0] | 1.50 [1.50, 1.50] | 1.00 [1.00, 1.00] |" in text
+    assert priced.startswith(f"{25.0 + 300 / PRICES.decode_tokens_per_iter + 500 / PRICES.prefill_tokens_per_iter:.1f}")
 
 
 def test_eval_interval_is_over_seeds_and_over_prompts_for_one_seed(tmp_path):

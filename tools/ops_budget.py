@@ -1,5 +1,7 @@
-"""What verification would cut from a run's carried responses, per (d_s, d_t): the trade between tokens cut and
-off-policy shift removed, read from a checkpoint.
+"""What verification would cut from a run's carried responses, per (d_s, d_t) and with the auto thresholds: the
+trade between tokens cut and off-policy shift removed, read from a checkpoint. (The drift by age itself, and the
+sequence stage's what-if acceptance over a d_s grid, are logged every step under verify/drift/ and
+verify/whatif/: rollverify/calibration.py.)
 
     python tools/ops_budget.py runs/seeds/s0/partial --json runs/seeds/s0/ops_budget.json
 
@@ -9,7 +11,8 @@ version, computes their new log-probs (as `algo.verify_on: trainer` does). Print
 staleness (share of tokens, mean OPS, share of the OPS mass), how concentrated the OPS mass is over tokens, and
 for each (d_s, d_t) of a grid the share of carried tokens `two_stage_verify` cuts, the share of their OPS mass
 it removes and the OPS mass per carried token that stays (a cut token is regenerated under the current policy,
-at the engine/trainer floor). One checkpoint is one verification of a pool nothing has cut before (a naive
+at the engine/trainer floor); the last row is what `algo.d_s: auto, algo.d_t: auto` would set from this pool's
+one-version tokens alone, and cut. One checkpoint is one verification of a pool nothing has cut before (a naive
 partial run's): in a RollVerify run the pool is re-verified every step, so this is the trade's shape, not a
 run's regeneration.
 """
@@ -85,6 +88,17 @@ def budget(x: dict, version: int) -> dict:
             grid.append({"d_s": d_s, "d_t": d_t, "tokens_cut": 1 - float(kept.mean()),
                          "mass_cut": 1 - kept_mass / mass, "ops_per_token_kept": kept_mass / n,
                          "reduction": mass / kept_mass if kept_mass > 0 else math.inf})
+    from rollverify.calibration import AutoThresholds
+
+    t = AutoThresholds().update(torch.from_numpy(ops).float(), torch.from_numpy(x["versions"]), version)
+    if not t.warmup:
+        keep = two_stage_verify(x["old"], x["new"], x["versions"], x["lengths"], t.d_s, t.d_t,
+                                seq_margin=t.seq_margin).keep_lengths.numpy()
+        kept = np.concatenate([np.arange(m) < k for m, k in zip(x["lengths"], keep, strict=True)])
+        kept_mass = float(ops[kept].sum())
+        grid.append({"d_s": t.d_s, "d_t": t.d_t, "seq_margin": t.seq_margin, "auto": True,
+                     "tokens_cut": 1 - float(kept.mean()), "mass_cut": 1 - kept_mass / mass,
+                     "ops_per_token_kept": kept_mass / n, "reduction": mass / kept_mass if kept_mass > 0 else math.inf})
     out["grid"] = grid
     return out
 
@@ -104,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     print("OPS mass held by the top tokens: " + ", ".join(f"{float(f):.0%}: {v:.2f}" for f, v in b["mass_in_top"].items()))
     print(f"{'d_s':>6} {'d_t':>5} {'tokens cut':>11} {'OPS mass cut':>13} {'OPS/token kept':>15} {'reduction':>10}")
     for g in b["grid"]:
-        print(f"{g['d_s']:>6g} {g['d_t']:>5g} {g['tokens_cut']:>11.2f} {g['mass_cut']:>13.2f} "
-              f"{g['ops_per_token_kept']:>15.2e} {g['reduction']:>9.1f}x")
+        print(f"{g['d_s']:>6.3g} {g['d_t']:>5.3g} {g['tokens_cut']:>11.2f} {g['mass_cut']:>13.2f} "
+              f"{g['ops_per_token_kept']:>15.2e} {g['reduction']:>9.1f}x" + ("  (auto)" if g.get("auto") else ""))
     if a.json:
         a.json.write_text(json.dumps(b, indent=1) + "\n")
         print(f"written: {a.json}")

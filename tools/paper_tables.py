@@ -10,7 +10,9 @@ against one SGLang server that every run shares (each run pushes its trainer's i
 whose summary.json exists is skipped, so an interrupted batch continues where it stopped; `--set key=value`
 applies to every run. The results go to OUT/paper_tables.md and .json (every cell: mean [min, max] over the
 seeds) and OUT/figures/; each qualitative claim of the paper is checked against the numbers, "n/a" where a run
-it needs is missing.
+it needs is missing. Every table gives the cost three ways: the priced cost per step (decode iterations plus
+generated and prefilled tokens in iteration-equivalents, rollverify/pricing.py), decode iterations alone, and the
+tokens generated per token trained; a speed claim reads the priced cost.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import traceback
 from pathlib import Path
 
 from rollverify.metrics import load_metrics
+from rollverify.pricing import run_cost
 
 ROLLVERIFY = ["algo.mode=rollverify"]
 SEQ = [*ROLLVERIFY, "algo.token_stage=false", "algo.conditional_switch=false"]  # d_s = 0.01
@@ -40,6 +43,8 @@ RUNS: dict[str, list[str]] = {
     "ds_0.005": [*SEQ, "algo.d_s=0.005"],
     "ds_0.02": [*SEQ, "algo.d_s=0.02"],
     "ds_0.05": [*SEQ, "algo.d_s=0.05"],
+    "ds_auto": [*SEQ, "algo.d_s=auto"],  # set from the measured one-version drift (rollverify/calibration.py)
+    "rollverify_auto": [*ROLLVERIFY, "algo.d_s=auto", "algo.d_t=auto"],
     "dt_1": [*SEQ_TOKEN, "algo.d_t=1.0"],
     "dt_4": [*SEQ_TOKEN, "algo.d_t=4.0"],
     "partial_gspo": [*PARTIAL, "trainer.loss=gspo"],
@@ -62,17 +67,18 @@ FIELD = [("partial + slime off-policy mask", "partial_mask_offpolicy"), ("partia
 # table -> (row label, run); d_s = inf with the sequence stage only verifies nothing: it is partial rollout
 TABLES: dict[str, tuple[str, list[tuple[str, str]]]] = {
     "table2": ("Table 2: on-policy, partial rollout and RollVerify",
-               [("on-policy GRPO", "on_policy"), ("partial rollout", "partial"), ("RollVerify", "rollverify")]),
+               [("on-policy GRPO", "on_policy"), ("partial rollout", "partial"), ("RollVerify", "rollverify"),
+                ("RollVerify, auto thresholds", "rollverify_auto")]),
     "table3": ("Table 3: ablation", [("partial", "partial"), ("+ sequence stage", "seq"),
                                      ("+ token stage", "seq_token"), ("+ conditional switch", "rollverify"),
                                      ("on-policy", "on_policy")]),
     "table4": ("Table 4: d_s, sequence stage only", [("0.005", "ds_0.005"), ("0.01", "seq"), ("0.02", "ds_0.02"),
-                                                     ("0.05", "ds_0.05"), ("inf", "partial")]),
+                                                     ("0.05", "ds_0.05"), ("inf", "partial"), ("auto", "ds_auto")]),
     "table5": ("Table 5: d_t, d_s = 0.01", [("1", "dt_1"), ("2", "seq_token"), ("4", "dt_4"), ("inf", "seq")]),
     "table6": ("Table 6: loss reshaping vs sample verification",
                [("on-policy GRPO", "on_policy"), ("partial GRPO", "partial"), ("partial GSPO", "partial_gspo"),
                 ("partial SAPO", "partial_sapo"), ("partial VESPO", "partial_vespo"), *FIELD,
-                ("RollVerify", "rollverify")]),
+                ("RollVerify", "rollverify"), ("RollVerify, auto thresholds", "rollverify_auto")]),
 }
 COLUMNS = {  # column -> (header, format)
     "step_s": ("step time (s)", "{:.2f}"),
@@ -81,6 +87,7 @@ COLUMNS = {  # column -> (header, format)
     "acceptance": ("acceptance", "{:.3f}"),
     "decode_iters": ("decode iters/step", "{:.1f}"),
     "generated_per_trained": ("generated / trained tokens", "{:.2f}"),
+    "priced": ("priced iters/step", "{:.1f}"),  # rollverify/pricing.py
     "wall_min": ("run time (min)", "{:.1f}"),
     "eval_interval": ("eval reward, 95 % interval (over seeds; one seed: over prompts)", ""),
 }
@@ -111,6 +118,7 @@ def run_figures(run_dir: Path) -> dict | None:
     records = load_metrics(run_dir)
     summary = json.loads((run_dir / "summary.json").read_text())
     ledger = summary["ledger"]
+    cost = run_cost(records, ledger)
     evals = _finite(r.get("eval_reward") for r in records)
     ops_first, ops_last = _thirds(records, "trained_ops_mean")
     ent_first, ent_last = _thirds(records, "train/entropy")
@@ -121,8 +129,8 @@ def run_figures(run_dir: Path) -> dict | None:
         "trained_ops": _mean(r.get("trained_ops_mean") for r in records),
         "acceptance": _mean(r.get("acceptance_rate") for r in records),
         "decode_iters": _mean(r.get("decode_iters") for r in records),
-        "generated_per_trained": ledger["generated_tokens"] / ledger["trained_tokens"] if ledger["trained_tokens"]
-        else None,
+        "generated_per_trained": cost["generated_per_trained"],
+        "priced": cost["priced"],
         "wall_min": summary["wall_s"] / 60 if "wall_s" in summary else None,
         "ops_first_third": ops_first, "ops_last_third": ops_last,
         "entropy_first_third": ent_first, "entropy_last_third": ent_last,
@@ -189,14 +197,16 @@ def claims(agg: dict) -> list[tuple[str, str, str]]:
     out.append(("the token stage raises acceptance", "n/a" if not have(a_seq, a_tok) else "yes" if a_tok > a_seq else "no",
                 f"acceptance sequence stage only {f(a_seq)}, with the token stage {f(a_tok)}"))
     ds = [(0.005, "ds_0.005"), (0.01, "seq"), (0.02, "ds_0.02"), (0.05, "ds_0.05")]
-    pts = [(d, ev[r], _m(agg, r, "decode_iters"), _m(agg, r, "step_s")) for d, r in ds]
-    ok = all(have(e, i) for _, e, i, _ in pts)
+    pts = [(d, ev[r], _m(agg, r, "priced"), _m(agg, r, "decode_iters")) for d, r in ds]
+    ok = all(have(e, p) for _, e, p, _ in pts)
     trend = ok and _spearman([d for d, *_ in pts], [e for _, e, _, _ in pts]) < 0 and _spearman(
-        [d for d, *_ in pts], [i for _, _, i, _ in pts]) < 0
-    out.append(("smaller d_s is more accurate and slower (rank correlation of d_s with eval and with decode "
-                "iterations per step < 0; step time, which the machine's load moves, beside them)",
+        [d for d, *_ in pts], [p for _, _, p, _ in pts]) < 0
+    out.append(("smaller d_s is more accurate and slower (rank correlation of d_s with eval and with the priced cost "
+                "per step < 0: decode iterations plus generated and prefilled tokens, rollverify/pricing.py; decode "
+                "iterations alone beside it)",
                 "n/a" if not ok else "yes" if trend else "no",
-                "; ".join(f"d_s {d}: eval {f(e)}, {f(i)} decode iters/step, step {f(s)} s" for d, e, i, s in pts)))
+                "; ".join(f"d_s {d}: eval {f(e)}, {f(p)} priced iters/step ({f(i)} decode iters)"
+                          for d, e, p, i in pts)))
     reshaped = ["partial_gspo", "partial_sapo", "partial_vespo"]
     ok = have(ev["rollverify"], *(ev[r] for r in reshaped))
     out.append(("loss reshaping does not close the gap that sample verification closes (each reshaped partial run "
@@ -273,9 +283,9 @@ def figures(out: Path, seeds: list[int]) -> list[Path]:
 def write_report(out: Path, seeds: list[int], agg: dict, figs: list[Path], log: dict) -> Path:
     lines = [f"# The paper's tables on the tiny task ({len(seeds)} seed(s): {seeds}; cells: mean [min, max])", ""]
     for title, rows in TABLES.values():
-        keys = ["eval_reward", "eval_interval", "trained_ops", "decode_iters", "generated_per_trained", "step_s"] \
-            if "Table 6" in title or "Table 2" in title else \
-            ["step_s", "decode_iters", "generated_per_trained", "eval_reward", "trained_ops", "acceptance"]
+        keys = ["eval_reward", "eval_interval", "trained_ops", "priced", "decode_iters", "generated_per_trained",
+                "step_s"] if "Table 6" in title or "Table 2" in title else \
+            ["priced", "decode_iters", "generated_per_trained", "step_s", "eval_reward", "trained_ops", "acceptance"]
         lines += [f"## {title}", "", "| | " + " | ".join(COLUMNS[k][0] for k in keys) + " | seeds |",
                   "|---" * (len(keys) + 2) + "|"]
         for label, run in rows:

@@ -2,12 +2,13 @@
 
 Both runs share one SGLang server (each run first pushes its trainer's initial weights to it), use the same
 seed and the same number of steps, and write their own run folder under the demo's folder; a table and a
-comparison plot follow, then the verdict: each mode's rollout cost against on-policy's in decode iterations
-per step (the engine's sequential forward passes, what rollout time follows on a GPU, where a batch decodes in
-about the time of one sequence) and in wall time (this machine's), each a ratio with its 95 % interval over
-the steps, and the eval rewards with their intervals over the held-out prompts. One seed is one sample: the
-claims of docs/results.md rest on several (tools/compare_seeds.py). Without --out the demo writes to runs/demo, or runs/demo-2, -3, ... when that holds an
-earlier demo; an explicit --out that holds one is refused unless --overwrite.
+comparison plot follow, then the verdict: each mode's priced rollout cost against on-policy's (decode iterations
+plus generated and prefilled tokens in iteration-equivalents, rollverify/pricing.py: what a GPU's time would
+follow) as a ratio with its 95 % interval over the steps, beside the decode iterations alone and the tokens
+generated per token trained, and the eval rewards with their intervals over the held-out prompts. Wall time is
+this machine's and only in the table. One seed is one sample: the claims of docs/results.md rest on several
+(tools/compare_seeds.py, tools/settle.py). Without --out the demo writes to runs/demo, or runs/demo-2, -3, ...
+when that holds an earlier demo; an explicit --out that holds one is refused unless --overwrite.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from rollverify.app.config import load_config
 from rollverify.app.console import fmt, quiet_cpu_warnings, say, stage
 from rollverify.app.evaluate import format_interval
 from rollverify.metrics import load_metrics, plot_comparison
+from rollverify.pricing import run_cost
 
 MODES = ("on_policy", "rollverify")
 STALE_MODES = ("on_policy", "partial", "rollverify")  # --stale: the three of the paper's Table 2
@@ -30,9 +32,10 @@ DEFAULT_OUT = "runs/demo"
 COLUMNS = (
     ("final train reward", "reward_last"),
     ("eval reward", "eval_last"),  # +- 1.96 standard errors over the eval prompts where known
-    ("wall s", "wall_s"),
+    ("priced iters/step", "priced"),  # rollverify/pricing.py
     ("decode iters/step", "decode_iters"),
-    ("rollout s/step", "rollout_s"),
+    ("generated/trained", "generated_per_trained"),
+    ("wall s", "wall_s"),
     ("step s", "step_s"),
     ("mean OPS (carried)", "ops_mean"),
     ("trained OPS", "trained_ops_mean"),
@@ -72,16 +75,20 @@ def ratio_interval(a: float, a_se: float, b: float, b_se: float, z: float = 1.96
 
 
 def verdict(results: dict[str, dict], baseline: str = "on_policy") -> list[str]:
-    """One line per mode against the baseline: decode iterations per step and wall step time as ratios with
-    95 % intervals over the steps, eval reward with its interval over the prompts and the difference's."""
+    """One line per mode against the baseline: the priced cost per step as a ratio with its 95 % interval over the
+    steps (decode iterations alone and the tokens generated per token trained beside it), and the eval reward
+    with its interval over the prompts and the difference's."""
     base = results[baseline]
     lines = []
     for mode in [m for m in results if m != baseline]:
         r = results[mode]
         parts = []
-        for label, key in (("decode iterations/step", "decode_iters"), ("wall step time", "step_s")):
-            q, lo, hi = ratio_interval(r[key], r.get(f"{key}_se", 0.0), base[key], base.get(f"{key}_se", 0.0))
-            parts.append(f"{label} {fmt(q, '.2f')}x [{fmt(lo, '.2f')}, {fmt(hi, '.2f')}]")
+        q, lo, hi = ratio_interval(r.get("priced", math.nan), r.get("priced_se", 0.0), base.get("priced", math.nan),
+                                   base.get("priced_se", 0.0))
+        it = r["decode_iters"] / base["decode_iters"] if base.get("decode_iters") else math.nan
+        parts.append(f"priced cost {fmt(q, '.2f')}x [{fmt(lo, '.2f')}, {fmt(hi, '.2f')}] (decode iterations "
+                     f"{fmt(it, '.2f')}x, tokens generated per trained {fmt(r.get('generated_per_trained'), '.2f')} vs "
+                     f"{fmt(base.get('generated_per_trained'), '.2f')})")
         ev, ev_se = r.get("eval_last", math.nan), r.get("eval_se", math.nan)
         bev, bev_se = base.get("eval_last", math.nan), base.get("eval_se", math.nan)
         if math.isfinite(ev) and math.isfinite(bev):
@@ -219,6 +226,7 @@ def cli_main(argv: list[str] | None = None) -> int:
                 "step_s_se": _se(rows, "step_s"),
                 "tokens_generated": float(ledger.get("generated_tokens", float("nan"))),
                 "tokens_trained": float(ledger.get("trained_tokens", float("nan"))),
+                **{k: math.nan if v is None else v for k, v in run_cost(rows, ledger).items()},
                 "ops_mean": _mean(rows, "ops_mean"),
                 "trained_ops_mean": _mean(rows, "trained_ops_mean"),
                 "acceptance_rate": _mean(rows, "acceptance_rate"),
@@ -231,8 +239,9 @@ def cli_main(argv: list[str] | None = None) -> int:
     print(table(results))
     print()
     if "on_policy" in results:
-        say("verdict (one seed; 95 % intervals over the steps and the eval prompts; decode iterations are what "
-            "rollout time follows on a GPU, wall time is this machine's):")
+        say("verdict (one seed; 95 % intervals over the steps and the eval prompts; the priced cost is decode "
+            "iterations plus generated and prefilled tokens in iteration-equivalents, what rollout time follows on a "
+            "GPU (rollverify/pricing.py); wall time is this machine's):")
         for line in verdict(results):
             say(f"  {line}")
     say(f"total {time.perf_counter() - t0:.0f} s")
