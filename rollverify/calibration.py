@@ -84,7 +84,8 @@ def drift_stats(ops: Tensor, versions: Tensor, segments: VerifyResult, version: 
     """Drift by age of one verification: per age bucket, token OPS and segment means (keys in the module doc);
     and the sequence stage's what-if acceptance over `D_S_GRID`. ``ops`` [N] the token OPS of the policy tokens,
     ``versions`` [N] their versions, ``segments`` the verification's result over them (its segments, lengths),
-    ``version`` the policy checked against. A bucket without tokens logs nothing (no figure, not 0)."""
+    ``version`` the policy checked against. Every key is always there (rollverify/metrics.py's rule): a bucket
+    without tokens has counts 0 and NaN statistics, and the what-if curve over no tokens is NaN."""
     out: dict[str, float] = {}
     age = (version - versions.long()).clamp(min=0, max=3)
     d = ops.double().nan_to_num(nan=math.inf, posinf=math.inf)  # NaN counts as inf, as in verification
@@ -92,11 +93,12 @@ def drift_stats(ops: Tensor, versions: Tensor, segments: VerifyResult, version: 
     for a, name in enumerate(AGE_BUCKETS):
         sel = age == a
         n = int(sel.sum())
+        p = f"{DRIFT_PREFIX}{name}_"
         if not n:
+            out.update(_empty_bucket(p))
             continue
         x = d[sel]
         finite = x[torch.isfinite(x)]
-        p = f"{DRIFT_PREFIX}{name}_"
         out[p + "tokens"] = float(n)
         out[p + "nonfinite"] = float(n - finite.numel())
         out[p + "ops_mean"] = float(finite.mean()) if finite.numel() else math.nan
@@ -109,9 +111,25 @@ def drift_stats(ops: Tensor, versions: Tensor, segments: VerifyResult, version: 
         out[p + "seg_len_mean"] = float(seg_len.double().mean())
         out[p + "seg_mean"] = float(seg_finite.mean()) if seg_finite.numel() else math.nan
         out[p + "seg_p50"] = float(_quantiles(seg, (0.5,))[0])
-    acc = whatif_acceptance(segments, D_S_GRID)
-    out.update({f"{WHATIF_PREFIX}{grid_key(g)}": float(v) for g, v in zip(D_S_GRID, acc.tolist(), strict=True)})
+    acc = whatif_acceptance(segments, D_S_GRID).tolist() if ops.numel() else [math.nan] * len(D_S_GRID)
+    out.update({f"{WHATIF_PREFIX}{grid_key(g)}": float(v) for g, v in zip(D_S_GRID, acc, strict=True)})
     return out
+
+
+def empty_drift_stats() -> dict[str, float]:
+    """`drift_stats`' keys where nothing was verified (or no OPS computed): counts 0, statistics NaN."""
+    out: dict[str, float] = {}
+    for name in AGE_BUCKETS:
+        out.update(_empty_bucket(f"{DRIFT_PREFIX}{name}_"))
+    out.update({f"{WHATIF_PREFIX}{grid_key(g)}": math.nan for g in D_S_GRID})
+    return out
+
+
+def _empty_bucket(p: str) -> dict[str, float]:
+    nan = math.nan
+    return {p + "tokens": 0.0, p + "nonfinite": 0.0, p + "ops_mean": nan,
+            **{p + "ops_" + _quantile_key(q): nan for q in QUANTILES},
+            p + "segments": 0.0, p + "seg_len_mean": nan, p + "seg_mean": nan, p + "seg_p50": nan}
 
 
 def _quantiles(x: Tensor, qs: tuple[float, ...]) -> list[float]:

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rollverify.calibration import AUTO, AutoThresholds, drift_stats, parse_threshold
+from rollverify.calibration import AUTO, AutoThresholds, drift_stats, empty_drift_stats, parse_threshold
 from rollverify.types import Response, VerifyBatch
 from rollverify.verify import D_S, D_T, VerifyResult, token_ops, two_stage_verify_ops
 
@@ -535,7 +535,7 @@ def _drift(batch: VerifyBatch, ops: Tensor | None, segments: VerifyResult | None
     """Drift by age and the what-if acceptance curve (rollverify/calibration.py) whenever OPS was computed, over
     the segments of the strategy's own verification when it ran one."""
     if ops is None or not batch.num_tokens:
-        return {}
+        return empty_drift_stats()
     if segments is None:
         segments = two_stage_verify_ops(ops, batch.versions, batch.lengths, math.inf, math.inf)
     return drift_stats(ops, batch.versions, segments, version)

@@ -18,7 +18,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference_verify import reference_verify_ops
 
 from rollverify.calibration import (
     AGE_BUCKETS,
@@ -37,6 +36,7 @@ from rollverify.sim.engine import DriftModel
 from rollverify.strategies import AlgoConfig, make_strategy
 from rollverify.types import Response
 from rollverify.verify import two_stage_verify_ops
+from rollverify.verify_reference import reference_verify_ops
 
 # --- drift by age against a per-response reference ---------------------------------------------------------
 
@@ -70,7 +70,11 @@ def naive_drift(ops, versions, lengths, version):
         buckets[AGE_BUCKETS[min(max(version - v, 0), 3)]]["tok"].append(math.inf if math.isnan(x) else x)
     out = {}
     for name, b in buckets.items():
-        if not b["tok"]:
+        if not b["tok"]:  # present with counts 0 and NaN statistics (rollverify/metrics.py's rule)
+            p = f"drift/{name}_"
+            out.update({p + "tokens": 0, p + "nonfinite": 0, p + "ops_mean": math.nan, p + "segments": 0,
+                        p + "seg_len_mean": math.nan, p + "seg_mean": math.nan, p + "seg_p50": math.nan})
+            out.update({p + "ops_p" + f"{q * 100:g}".replace(".", ""): math.nan for q in QUANTILES})
             continue
         finite = [x for x in b["tok"] if math.isfinite(x)]
         p = f"drift/{name}_"
@@ -86,7 +90,7 @@ def naive_drift(ops, versions, lengths, version):
         out[p + "seg_p50"] = float(np.quantile(b["seg"], 0.5, method="inverted_cdf"))
     for g in D_S_GRID:
         keep = reference_verify_ops(ops, versions, lengths, g, math.inf)
-        out[f"whatif/{grid_key(g)}"] = sum(keep) / sum(lengths) if sum(lengths) else 1.0
+        out[f"whatif/{grid_key(g)}"] = sum(keep) / sum(lengths) if sum(lengths) else math.nan
     return out
 
 
@@ -122,7 +126,8 @@ def test_whatif_acceptance_hand_computed():
     acc = whatif_acceptance(res, [0.001, 0.01, 0.1, 1.0]).tolist()
     assert acc == pytest.approx([0.0, 0.3, 0.5, 1.0])
     stats = drift_stats(ops, versions, res, 5)
-    assert stats["drift/age1_tokens"] == 8 and stats["drift/age2_tokens"] == 2 and "drift/age0_tokens" not in stats
+    assert stats["drift/age1_tokens"] == 8 and stats["drift/age2_tokens"] == 2 and stats["drift/age0_tokens"] == 0
+    assert math.isnan(stats["drift/age0_ops_mean"]) and math.isnan(stats["drift/age0_seg_mean"])
     assert stats["drift/age1_segments"] == 2 and stats["drift/age1_seg_len_mean"] == 4
     assert stats["drift/age2_ops_mean"] == pytest.approx(0.02)
 
@@ -314,7 +319,8 @@ def test_every_mode_that_computes_ops_logs_drift_by_age():
         out = make_strategy(mode, AlgoConfig(conditional_switch=False)).apply([r for r, _ in pool],
                                                                               [lp for _, lp in pool], 10)
         assert out.stats["drift/age1_tokens"] > 0 and f"whatif/{grid_key(0.01)}" in out.stats, mode
-    assert "drift/age1_tokens" not in make_strategy("partial").apply([r for r, _ in pool], None, 10).stats
+    unmeasured = make_strategy("partial").apply([r for r, _ in pool], None, 10).stats  # no OPS: keys, no figures
+    assert unmeasured["drift/age1_tokens"] == 0 and math.isnan(unmeasured[f"whatif/{grid_key(0.01)}"])
 
 
 def test_drift_by_age_and_the_whatif_curves_are_plotted(tmp_path):

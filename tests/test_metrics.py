@@ -98,7 +98,7 @@ def test_writer_files_and_plots(tmp_path):
     )
     assert summary["step_total_s"] == pytest.approx(7 * 1.8) and summary["tokens_generated"] == 7000
     assert summary["acceptance_rate_mean"] == pytest.approx(np.mean([0.9 - 0.05 * k for k in range(1, 7)]))
-    names = ("reward", "entropy", "ops", "acceptance", "cuts", "mismatch", "decode_iters", "step_time", "overview")
+    names = ("reward", "entropy", "ops", "acceptance", "cuts", "drift", "mismatch", "decode_iters", "step_time", "overview")
     for name in names:
         _assert_png(tmp_path / "plots" / f"{name}.png")
     assert sorted(summary["plots"]) == sorted(f"plots/{n}.png" for n in names)

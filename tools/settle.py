@@ -8,7 +8,7 @@ accuracy where partial rollout loses accuracy? (docs/results.md, "Current result
     python tools/settle.py table --out runs/settle --setting ml64_tis       # the tables from what is there
 
 Every run is `configs/tiny_stale.yaml` (lr 1e-3, 40 steps) with the setting's `rollout.max_live` and
-`trainer.use_tis`, one evaluation at step 40 (512 prompts x 2) and the initial model's evaluation on the same
+`trainer.correction.method` (tis or none), one evaluation at step 40 (512 prompts x 2) and the initial model's evaluation on the same
 seed's prompts (the step-0 eval: OUT/step0/s<seed>.json, once per seed). A run is OUT/<setting>/<mode>/s<seed>
 (on-policy's OUT/_on_policy/s<seed>, shared by every setting), skipped when its summary.json exists; every run of an invocation shares one SGLang server. The screen keeps
 checkpoints (every 10 steps). The table gives per seed and mode the eval reward, acceptance, generated tokens per
@@ -37,7 +37,7 @@ COMMON = ["log.plots=false", "log.tensorboard=false", "log.export_final=false", 
 SCREEN_SEED = 100
 SEEDS = (101, 102, 103, 104, 105)
 SETTINGS: dict[str, list[str]] = {  # over tiny_stale (lr 1e-3, max_live 256, no TIS)
-    f"ml{ml}_{'tis' if tis else 'notis'}": [f"rollout.max_live={ml}", f"trainer.use_tis={str(tis).lower()}"]
+    f"ml{ml}_{'tis' if tis else 'notis'}": [f"rollout.max_live={ml}", f"trainer.correction.method={'tis' if tis else 'none'}"]
     for ml in (48, 64, 256) for tis in (True, False)
 }
 MODES: dict[str, list[str]] = {
@@ -114,9 +114,9 @@ def run_all(out: Path, todo: list[tuple[str, str, int]], extra: list[str]) -> li
     model = resolve_model(base)
     log = out / "logs" / f"server-{os.getpid()}.log"  # one per invocation: batches may run side by side
     log.parent.mkdir(parents=True, exist_ok=True)
-    with launch_server(model, engine_args=dict(base.rollout.engine_args), log_path=log,
+    with launch_server(model, engine_args=base.servers.engine_args.args(), log_path=log,
                        startup_timeout_s=1800) as server:
-        endpoint = f'rollout.endpoints=["{server.endpoint}"]'
+        endpoint = f'servers.endpoints=["{server.endpoint}"]'
         for setting, mode, seed in todo:
             d = run_dir(out, setting, mode, seed)
             t0 = time.perf_counter()
