@@ -83,6 +83,12 @@ class ClusterConfig:
     placement: Literal["colocated", "disaggregated"] = "colocated"  # colocated: rollout and training take turns
     rollout_gpus: int = bounded(0, ge=0)  # disaggregated: the last GPUs go to the servers, the rest to the trainer
     gpu_memory_gib: float = bounded(80.0, gt=0.0)  # per GPU, as `plan` budgets it
+    # host RAM per node, as `plan` budgets it (rollverify.app.host_memory): refused above 95 %, where Ray's memory
+    # monitor kills workers
+    host_memory_gib: float = bounded(1024.0, gt=0.0)
+    # the network interface of gloo's and NCCL's sockets on nodes with several (GLOO_SOCKET_IFNAME,
+    # NCCL_SOCKET_IFNAME in every trainer rank and server); null: their own choice
+    socket_ifname: str | None = None
     # --- ray launcher (rollverify.app.cluster) ---
     address: str | None = None  # Ray cluster to join (auto, HEAD_IP:6379); null: RAY_ADDRESS, else a one-node Ray here
     join_timeout_s: float = bounded(120.0, gt=0.0)  # nodes, placement group and file checks that take longer fail
