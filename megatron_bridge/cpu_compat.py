@@ -314,9 +314,16 @@ def _numpy_splits(original: Callable) -> Callable:
 
 
 def needed(device: str | torch.device | None = None) -> bool:
-    """True when Megatron-Core will run without a GPU: no CUDA device, or the caller asked for the CPU."""
+    """True when Megatron-Core will run without a GPU: the caller asked for the CPU, or the run configured none
+    (`rollverify.devices.DEVICE_ENV`), or, where the run says nothing, no CUDA device is visible. A run that
+    configured GPUs never gets the CPU routes (`megatron_bridge.trainer.resolve_device` stops first)."""
+    from rollverify.devices import configured_device
+
     if device is not None:
         return torch.device(device).type == "cpu"
+    configured = configured_device()
+    if configured is not None:
+        return configured == "cpu"
     return not torch.cuda.is_available()
 
 

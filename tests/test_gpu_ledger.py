@@ -84,8 +84,9 @@ class DryWings:
         self.paused = True
 
     # the Ray cluster and the two wings' starts (rollverify.app.train.Run's calls)
-    def cluster(self, plan, paths):
-        return SimpleNamespace(plan=plan, nodes=range(plan.cfg.cluster.nodes), node_name=str, close=lambda: None)
+    def cluster(self, plan, paths, shared=None):
+        return SimpleNamespace(plan=plan, nodes=range(plan.cfg.cluster.nodes), node_name=str, close=lambda: None,
+                               remove_on_every_node=lambda folders: None)
 
     def start_engine(self, cfg, cluster, model_path, log_dir, book):
         from sglang_ext.pool import ServerAddress

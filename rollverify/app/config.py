@@ -184,8 +184,15 @@ class RunConfig:
         return self
 
     def check_installed(self) -> None:
-        """Packages the run needs where it starts that validation does not require (so that `rollverify plan`
-        reads any config on any machine): SGLang's memory saver for a colocated GPU run."""
+        """What the run needs where it starts that validation does not require (so that `rollverify plan`
+        reads any config on any machine): CUDA on this machine for a GPU run of the local launcher (the Ray
+        launcher checks every node before it reserves anything), SGLang's memory saver for a colocated GPU run."""
+        if self.cluster.gpus_per_node and self.cluster.launcher == "local":
+            from rollverify.devices import cuda_problem
+
+            problem = cuda_problem()
+            if problem is not None:
+                raise ConfigError(f"cluster.gpus_per_node: {self.cluster.gpus_per_node}, but {problem}")
         if self.rollout.engine_args.get("enable_memory_saver") and importlib.util.find_spec("torch_memory_saver") is None:
             raise ConfigError(
                 "rollout.engine_args.enable_memory_saver: a colocated GPU run hands each GPU between the SGLang "
