@@ -11,6 +11,7 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from rollverify.app.handoff import Handoff
 from rollverify.app.weight_transport import TransportWeights
@@ -115,3 +116,44 @@ def test_the_colocated_restore_defers_while_another_server_serves():
     weights, log = _weights([0, 1], set(), colocated=False)
     assert weights.restore(ServerAddress(1, "tcp://s1", None), 4) == {"version": 4}
     assert log == ["send to ['tcp://s1'] v4"]
+
+
+def test_buckets_are_collected_where_they_are_freed(monkeypatch):
+    """`torch.cuda.ipc_collect` (`collect_ipc`) runs where a bucket's buffer is dropped: after the servers
+    loaded it (the sink's pipeline settles it), after the commit, and on a peer rank when it drops the bucket
+    before last and at the end."""
+    import megatron_bridge.weight_sync as ws
+
+    calls: list[str] = []
+    monkeypatch.setattr(ws, "collect_ipc", lambda: calls.append("collect"))
+
+    class Control:
+        def begin(self, version): calls.append("begin")
+        def settle(self, index): calls.append(f"settle {index}")
+        def commit(self, version, buckets): calls.append("commit")
+        def abort(self, version, reason): calls.append("abort")
+        def close(self): calls.append("close")
+        def control_bytes(self): return 0
+
+    class Sender:
+        def prepare(self, flat, meta, index): return b""
+        def send(self, prepared, meta, index): calls.append(f"send {index}")
+        def finish(self): calls.append("finish")
+
+    sink = ws.TransportSink(Control(), Sender())
+    sink.begin(1)
+    for i in range(3):
+        sink.push([("w", torch.full((4,), float(i)))])
+    sink.end(1)
+    assert calls == ["begin", "send 0", "settle 0", "collect", "send 1", "settle 1", "collect", "send 2", "settle 2",
+                     "collect", "commit", "finish", "close", "collect"]
+    calls.clear()
+    monkeypatch.setattr(ws.dist, "gather_object", lambda *a, **k: None)
+    monkeypatch.setattr(ws.dist, "get_global_rank", lambda group, rank: 0)
+    monkeypatch.setattr(ws.dist, "barrier", lambda group=None: calls.append("barrier"))
+    peer = ws.IpcPeer(object(), lambda flat, meta: b"")
+    peer.begin(1)
+    for i in range(3):
+        peer.push([("w", torch.full((4,), float(i)))])
+    peer.end(1)
+    assert calls == ["collect", "barrier", "collect"]  # the third bucket drops the first; the end the rest

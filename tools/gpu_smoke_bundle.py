@@ -9,6 +9,9 @@ folder holds, within `--max-mib` (60):
 
     site/megatron/...        megatron-core's source tree from this venv (pure Python: it imports under any
                              Python >= 3.10; its one compiled helper, for datasets, is left out)
+    site/psutil/...          what megatron-core's checkpoint writer needs that torch and transformers do not bring
+                             (its writer processes die without it and the save waits for them forever; found by
+                             the dry run); its compiled part is abi3, so it loads under Python 3.12 too
     cache/models/...         the tiny dense and MoE models gpu_smoke compares against transformers (made here,
                              offline, from their seeds; the 0.6B-shaped model is made on the device: 1.2 GB)
     plan_figures.json        the planner's figures part G compares with (`gpu_checks.plan_figures`)
@@ -36,6 +39,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 MAX_MIB = 60
 SKIP = ("__pycache__", "*.pyc", "*.so", "*.cpp", "*.h")  # compiled for this Python only, or not Python
+EXTRA = ("psutil",)  # megatron-core's needs beyond torch and transformers; each must be pure Python or abi3
 
 
 def _size(folder: Path) -> int:
@@ -44,10 +48,10 @@ def _size(folder: Path) -> int:
 
 def build(out: Path, max_mib: float = MAX_MIB) -> dict:
     """Write the bundle at `out` (replaced); its manifest. Raises SystemExit when it exceeds `max_mib`."""
-    import megatron.core
-
     import gpu_checks
     import gpu_smoke
+    import megatron.core
+
     from rollverify.app.tiny_model import TinyModelSpec, ensure_tiny_model
 
     if out.exists():
@@ -55,6 +59,13 @@ def build(out: Path, max_mib: float = MAX_MIB) -> dict:
     (out / "site").mkdir(parents=True)
     source = Path(megatron.core.__file__).resolve().parents[1]  # .../site-packages/megatron
     shutil.copytree(source, out / "site" / "megatron", ignore=shutil.ignore_patterns(*SKIP))
+    for name in EXTRA:
+        package = Path(__import__(name).__file__).resolve().parent
+        foreign = [p.name for p in package.rglob("*.so") if ".abi3." not in p.name]
+        if foreign:
+            raise SystemExit(f"error: {name} has extension modules for this Python only ({foreign}): it cannot "
+                             "load under the GPU machine's Python")
+        shutil.copytree(package, out / "site" / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     saved = os.environ.get("ROLLVERIFY_CACHE")
     os.environ["ROLLVERIFY_CACHE"] = str(out / "cache")
     try:
@@ -68,7 +79,8 @@ def build(out: Path, max_mib: float = MAX_MIB) -> dict:
     for lock in (out / "cache" / "models").glob(".*.lock"):
         lock.unlink()
     (out / "plan_figures.json").write_text(json.dumps(gpu_checks.plan_figures(), indent=1) + "\n")
-    parts = {"site/megatron": _size(out / "site"), "cache/models": _size(out / "cache"),
+    parts = {"site/megatron": _size(out / "site" / "megatron"),
+             **{f"site/{n}": _size(out / "site" / n) for n in EXTRA}, "cache/models": _size(out / "cache"),
              "plan_figures.json": (out / "plan_figures.json").stat().st_size}
     manifest = {
         "megatron_core": importlib.metadata.version("megatron-core"),
