@@ -130,14 +130,11 @@ def rank_checkpoint(dense: int, expert: int, *, rank: int, tp: int, cp: int, dp:
 def host_figures(plan: Plan, *, mem_efficient: bool = True) -> HostFigures:
     """The plan's host figures; `mem_efficient=False` gives the checkpoint rows of a save without Megatron-Core's
     memory-efficient option (every rank gathers)."""
-    from rollverify.app.plan import stage_params
-
     cfg, lay, a = plan.cfg, plan.layout, plan.arch
     r, t = cfg.rollout, plan.trainer
     per_token = TOKEN_BYTES + (ROUTE_BYTES * a.num_layers * a.top_k if a.moe and cfg.trainer.replay_train else 0)
     batch_tokens = r.batch_groups * r.n * plan.context
-    stages = [stage_params(a, lay, s) for s in range(lay.pp)]
-    p = max(stages, key=lambda c: c.total)
+    p = t.params  # the fullest pipeline stage's rank
     world = lay.world_size
     overlap = cfg.cluster.gpus_per_node > 0  # the CUDA throughput paths overlap the gradient reduce
     bucket = max(DEFAULT_BUCKET_PARAMS, 1_000_000 * lay.dp * lay.cp) if overlap else None
@@ -267,12 +264,11 @@ class HostBook:
 
     # --- the plan's table -----------------------------------------------------------------------------------
 
-    def render(self) -> list[str]:
-        from rollverify.app.gpu_memory import PHASES
-
+    def render(self, order: tuple[str, ...] = ()) -> list[str]:
+        """Each node's peak per phase (phases in `order` first) and the highest with its holders."""
         led = self.ledger
         led.settle()
-        phases = [p for p in PHASES if p in led.peaks] + [p for p in led.phases if p not in PHASES]
+        phases = [p for p in order if p in led.peaks] + [p for p in led.phases if p not in order]
         c = self.plan.cfg.cluster
         lines = [f"host RAM per node by phase (GiB of {c.host_memory_gib:g}; refused above "
                  f"{RAY_MEMORY_THRESHOLD:.0%}, where Ray's memory monitor kills)",

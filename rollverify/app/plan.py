@@ -235,6 +235,7 @@ class TrainerEstimate:
     logits: int
     tokens: int  # tokens of the largest micro-batch (per CP rank)
     forward: int = 0  # a no-grad forward's working memory (log-probs): one layer's tensors and the logits chunk
+    params: ParamCounts | None = None  # the rank's parameters (dense, expert): the host ledger's checkpoint rows
 
     @property
     def total(self) -> int:
@@ -265,6 +266,7 @@ def trainer_memory(a: ModelArch, lay: TrainerLayout, context: int) -> TrainerEst
         logits=logits,
         tokens=tokens,
         forward=tokens * per_layer + logits,
+        params=p,
     )
 
 
@@ -547,8 +549,10 @@ def render(p: Plan) -> str:
         elif c.placement == "colocated":
             lines.append("  colocated without the trainer's offload: its state stays on the GPU through rollout")
         if p.book is not None and p.book.enabled:
+            from rollverify.app.gpu_memory import PHASES
+
             lines += ["", *p.book.render()]
-            lines += ["", *p.book.host.render()]
+            lines += ["", *p.book.host.render(PHASES)]
     else:
         lines.append("  trainer rows: the bf16 GPU formulas, for scale; nothing is checked against RAM")
     lines.append("")
