@@ -156,6 +156,7 @@ def _save_rank(rank: int, world: int, port: int, model: str, out: str, results) 
 
 
 @pytest.mark.slow  # two Megatron-Core ranks start and save: ~60 s idle, 150 s at load 37
+@pytest.mark.megatron
 def test_a_dp2_save_holds_on_the_host_what_the_ledger_counts(tmp_path):
     """Two gloo ranks of one data-parallel group save the distributed optimizer the way `megatron_bridge.checkpoint`
     does (memory-efficient exchange): the group's rank 0 holds the gathered fp32 state, 12 bytes a parameter, for

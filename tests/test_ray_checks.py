@@ -23,7 +23,8 @@ import pytest
 
 from rollverify.app.config import load_config
 
-pytestmark = pytest.mark.slow  # a Ray head, two nodes and tasks that import torch on each: ~1-3 min here
+# a Ray head, two nodes and tasks that import torch on each: ~1-5 min here
+pytestmark = [pytest.mark.slow, pytest.mark.system]
 
 RAY = Path(sys.executable).parent / "ray"
 

@@ -134,6 +134,7 @@ def test_a_kernel_is_run_before_it_is_chosen_and_passed_over_with_the_reason():
         p.why["attention"]
 
 
+@pytest.mark.megatron  # the packed attention is a Megatron-Core module
 def test_the_sdpa_fallback_reads_no_boundary_from_the_device():
     """The packed SDPA path takes the sequence boundaries from the pack's host copy (`host_bounds`): with the
     device copy on the meta device, which nothing can read back, a layer call gives the same output."""
