@@ -9,7 +9,7 @@ REQS := requirements/$(PROFILE).txt requirements/sglang.txt pyproject.toml
 STAMP := $(VENV)/.rollverify-$(PROFILE)-$(shell cat $(REQS) 2>/dev/null | sha256sum | cut -c1-16)
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-fast test-slow chaos lint check-gpu-resolve clean-venv
+.PHONY: setup demo test test-fast test-slow chaos lint check-gpu-resolve clean-venv te gpu-smoke-bundle
 
 setup: $(STAMP)
 
@@ -57,3 +57,14 @@ check-gpu-resolve:
 
 clean-venv:
 	rm -rf $(VENV)
+
+# Transformer Engine (requirements/te.txt, inside megatron-core 0.16.1's range): its PyTorch extension builds from
+# source against this venv's torch; a GPU node with the CUDA toolkit (nvcc) and cuDNN, after `make setup PROFILE=gpu`
+te: setup
+	$(PY) -m pip install --no-build-isolation -r requirements/te.txt
+	$(PY) -c "import transformer_engine.pytorch as te; print('[te] Transformer Engine', te.__version__)"
+
+# everything tools/gpu_smoke.py needs on a bare GPU machine (python 3.12, torch, transformers; no network) in one
+# folder of at most 60 MiB: the megatron-core source, the planner's figures, the tiny models (tools/gpu_smoke_bundle.py)
+gpu-smoke-bundle: setup
+	$(PY) tools/gpu_smoke_bundle.py --out build/gpu-smoke

@@ -9,7 +9,9 @@ from `PackedSeqParams` (`qkv_format="thd"`, `cu_seqlens`): query `[T, heads, dim
   or flash-attn 4's `flash_attn.cute`, which sglang's GPU install brings): one kernel over the whole pack.
 - Otherwise (float32, CUDA without it, and CPU): torch's `scaled_dot_product_attention` per sequence with
   `is_causal=True`; on CUDA torch picks its flash / memory-efficient kernels, on CPU its flash CPU kernel,
-  all of which keep O(s) state (log-sum-exp) for the backward instead of the score matrix.
+  all of which keep O(s) state (log-sum-exp) for the backward instead of the score matrix. The sequence
+  boundaries come as Python ints with the pack (`host_bounds`, `model.PackedSequences.seq_params`), so a layer
+  call never waits on the device to read them (they are read back once only for params built elsewhere).
 
 Non-packed input (`sbhd`, no `PackedSeqParams`) is plain causal attention over each row; a dense
 `attention_mask` is refused, since honouring it is exactly the `[s, s]` cost this module exists to avoid.
@@ -92,15 +94,15 @@ class PackedCoreAttention(MegatronModule):
         t = query.shape[0]
         flash = self._kernel(query)
         KERNELS_RUN.add(self.attention if flash is not None else "sdpa")
+        bounds = list(getattr(packed_seq_params, "host_bounds", None) or cu.tolist())
         if self.cp_group is not None:
-            return self._context_parallel(query, key, value, cu, p, flash)
+            return self._context_parallel(query, key, value, bounds, p, flash)
         if flash is not None:
             cu32 = cu.to(device=query.device, dtype=torch.int32)
             m = int(packed_seq_params.max_seqlen_q)
             out = flash(query, key, value, cu32, cu32, m, m, dropout_p=p, softmax_scale=self.softmax_scale,
                         causal=True)
             return out.reshape(t, self.heads * self.head_dim)
-        bounds = cu.tolist()
         pieces = []
         for a, b in zip(bounds[:-1], bounds[1:], strict=True):
             if b == a:
@@ -111,12 +113,11 @@ class PackedCoreAttention(MegatronModule):
             raise ValueError(f"cu_seqlens cover {bounds[-1]} tokens, the packed input has {t}")
         return torch.cat(pieces).reshape(t, self.heads * self.head_dim)
 
-    def _context_parallel(self, query, key, value, cu: torch.Tensor, p: float, flash):
+    def _context_parallel(self, query, key, value, bounds: list[int], p: float, flash):
         """This rank's chunks of every sequence against the sequence's gathered keys (module docstring)."""
         from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
         cp, rank = self.cp_group.size(), self.cp_group.rank()
-        bounds = cu.tolist()
         t_local = query.shape[0]
         if bounds[-1] != t_local * cp:
             raise ValueError(f"cu_seqlens cover {bounds[-1]} tokens, cp={cp} ranks hold {t_local} each")

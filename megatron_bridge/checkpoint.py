@@ -12,10 +12,15 @@ the step). What is saved:
   shards to do so), and its param groups (step, LR);
 * the LR scheduler, the trainer's step count and weight version (common state, written once).
 
-Cost of that reshardability: while saving, every DP rank holds its model-parallel shard's whole optimizer state in
-host memory (fp32 param + two moments: 12 bytes per parameter of the TP/PP/EP shard), gathered over DP with
-the device's collective. Megatron-Core's `dp_reshardable` format avoids the gather but reloads under another DP
-size only.
+Host memory. The save uses Megatron-Core 0.16.1's memory-efficient exchange
+(`distrib_optim_fully_reshardable_mem_efficient`, megatron/core/optimizer/distrib_optimizer.py): the optimizer
+state is gathered with gloo on each data-parallel group's rank 0 only, which holds its model-parallel shard's
+whole state in host memory (fp32 param + two moments: 12 bytes per parameter of the TP/PP/EP shard) and writes
+it; without the option every DP rank would gather it (all-gather) and hold the same. A load fills that whole
+state on every rank (Megatron-Core's loading format), and reads it in parallel: Megatron-Core's
+`FullyParallelLoadStrategyWrapper` over the data-parallel group has each rank read a share of the files and the
+ranks exchange the rest, so the storage serves each byte once per group instead of once per rank.
+`rollverify.app.host_memory` counts these bytes per node for `rollverify plan`.
 
 Loading reads `rollverify_trainer.json` first: a checkpoint of another model fails there, naming each field that
 differs, before any tensor is read. A layout that differs from the writer's is fine.
@@ -39,7 +44,8 @@ from megatron_bridge.model import ModelArch, unwrap
 
 META_FILE = "rollverify_trainer.json"
 FORMAT = "megatron-core dist_checkpointing (torch_dist), optimizer fully_reshardable"
-_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
+# the memory-efficient exchange: gloo gather on DP rank 0 only (the format on disk reads back either way)
+_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable", "distrib_optim_fully_reshardable_mem_efficient": True}
 
 
 def read_meta(ckpt_dir: str | Path) -> dict[str, Any]:
@@ -69,8 +75,16 @@ def check_model(meta: dict[str, Any], arch: ModelArch, ckpt_dir: str | Path) -> 
 def _sharded_state(model, optimizer, is_loading: bool) -> dict[str, Any]:
     module = unwrap(model)
     model_state = module.sharded_state_dict(metadata=_SHARDING)
-    return {"model": model_state,
-            "optimizer": optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=_SHARDING)}
+    optim_state = optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=_SHARDING)
+    return {"model": model_state, "optimizer": _without_empty_param_state(optim_state)}
+
+
+def _without_empty_param_state(state: Any) -> Any:
+    """The memory-efficient exchange leaves `param_state` None on every rank but a group's DP rank 0 (which holds
+    it as sharded tensors); dropped, so the ranks' common state agrees."""
+    if isinstance(state, dict):
+        return {k: _without_empty_param_state(v) for k, v in state.items() if not (k == "param_state" and v is None)}
+    return state
 
 
 def save(ckpt_dir: str | Path, model, optimizer, scheduler, *, arch: ModelArch, parallel: dict[str, int],
@@ -174,11 +188,22 @@ def load(ckpt_dir: str | Path, model, optimizer, scheduler, *, arch: ModelArch) 
     for part in getattr(optimizer, "chained_optimizers", [optimizer]):
         _init_state(part)
     state = _sharded_state(model, optimizer, is_loading=True)
-    loaded = dist_checkpointing.load(state, str(d))
+    loaded = dist_checkpointing.load(state, str(d), sharded_strategy=parallel_load_strategy(d))
     unwrap(model).load_state_dict(loaded["model"])
     optimizer.load_state_dict(loaded["optimizer"])
     scheduler.load_state_dict(loaded["scheduler"])
     return int(loaded["step"]), int(loaded["version"])
+
+
+def parallel_load_strategy(ckpt_dir: str | Path):
+    """Megatron-Core's load strategy for `ckpt_dir`, its reads spread over the data-parallel group (with context
+    parallelism: the ranks that hold the same model-parallel shard) and exchanged there."""
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
+
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    return FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(str(ckpt_dir)), group)
 
 
 def _init_state(part) -> None:

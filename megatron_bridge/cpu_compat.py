@@ -16,7 +16,10 @@ only these, so the project's one code path (the trainer) runs unchanged on a lap
   CPU tensors, and the tied-embedding setup under PP with `Tensor.cuda()` as the identity, for the duration of
   those calls only;
 * the MoE all-to-all dispatcher gets its split sizes as numpy arrays (as its CUDA path does after the
-  device-to-host copy), since `all_to_all_single` rejects tensor split sizes.
+  device-to-host copy), since `all_to_all_single` rejects tensor split sizes;
+* the fully parallel checkpoint load (`FullyParallelLoadStrategyWrapper`, whose exchange allocates on CUDA and
+  moves loaded shards there to broadcast them) runs with `Tensor.cuda()` as the identity and
+  `ShardedTensor.init_data` on the CPU, for the duration of the load only: gloo broadcasts the CPU tensors.
 
 `patch_missing_te()` is separate because it also applies on GPUs without TransformerEngine: 0.16.1 references
 `moe_utils.te_general_gemm` without defining it when TE is absent, and without TE or apex the distributed
@@ -76,6 +79,8 @@ _MODULES = (
     "megatron.core.dist_checkpointing.strategies.torch",
     "megatron.core.dist_checkpointing.strategies.state_dict_saver",
     "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.dist_checkpointing.strategies.fully_parallel",
+    "megatron.core.dist_checkpointing.exchange_utils",
 )
 
 _CUDA_TYPE_NAMES = {
@@ -215,6 +220,29 @@ def tensor_cuda_is_identity() -> Iterator[None]:
         torch.Tensor.cuda = original
 
 
+@contextlib.contextmanager
+def sharded_tensors_on_cpu() -> Iterator[None]:
+    """Make `ShardedTensor.init_data` allocate on the CPU whatever device it is asked for, for this block only."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    original = ShardedTensor.init_data
+
+    def init_data(self, device, init_fn=torch.empty):
+        return original(self, _to_cpu_device(device), init_fn)
+
+    ShardedTensor.init_data = init_data
+    try:
+        yield
+    finally:
+        ShardedTensor.init_data = original
+
+
+@contextlib.contextmanager
+def _cpu_exchange() -> Iterator[None]:
+    with tensor_cuda_is_identity(), sharded_tensors_on_cpu():
+        yield
+
+
 def _with_context(fn: Callable, context: Callable) -> Callable:
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -286,9 +314,16 @@ def _numpy_splits(original: Callable) -> Callable:
 
 
 def needed(device: str | torch.device | None = None) -> bool:
-    """True when Megatron-Core will run without a GPU: no CUDA device, or the caller asked for the CPU."""
+    """True when Megatron-Core will run without a GPU: the caller asked for the CPU, or the run configured none
+    (`rollverify.devices.DEVICE_ENV`), or, where the run says nothing, no CUDA device is visible. A run that
+    configured GPUs never gets the CPU routes (`megatron_bridge.trainer.resolve_device` stops first)."""
+    from rollverify.devices import configured_device
+
     if device is not None:
         return torch.device(device).type == "cpu"
+    configured = configured_device()
+    if configured is not None:
+        return configured == "cpu"
     return not torch.cuda.is_available()
 
 
@@ -327,6 +362,9 @@ def activate() -> None:
     _set(cls, "get_parameter_state_dp_zero", _with_context(cls.get_parameter_state_dp_zero, tensor_cuda_is_identity))
     _set(cls, "_build_model_and_main_param_groups",
          staticmethod(_with_cuda_type_names(cls._build_model_and_main_param_groups)))
+    parallel_load = sys.modules["megatron.core.dist_checkpointing.strategies.fully_parallel"]
+    wrapper = parallel_load.FullyParallelLoadStrategyWrapper
+    _set(wrapper, "load", _with_context(wrapper.load, _cpu_exchange))
     optimizer = sys.modules["megatron.core.optimizer.optimizer"]
     _set(optimizer.Float16OptimizerWithFloat16Params, "__init__",
          _with_cuda_type_names(optimizer.Float16OptimizerWithFloat16Params.__init__))

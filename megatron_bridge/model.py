@@ -329,6 +329,13 @@ def build_model(arch: ModelArch, config, *, pre_process: bool | None = None, pos
     return model
 
 
+# Megatron-Core 0.16.1's Transformer Engine layers (megatron/core/extensions/transformer_engine.py) that split their
+# weights over TP, by class name (the module imports TE, so the names are read without it) -> the split dimension:
+# parallel_mode "column" splits the output (0), "row" the input (1). TE tags its own weights; these fill a gap.
+TE_PARALLEL_DIMS = {"TEColumnParallelLinear": 0, "TELayerNormColumnParallelLinear": 0, "TERowParallelLinear": 1,
+                    "TEColumnParallelGroupedLinear": 0, "TERowParallelGroupedLinear": 1}
+
+
 def mark_tensor_parallel(model) -> None:
     """Tag TP-split weights as Megatron-Core's initialisers would (`tensor_model_parallel`, partition dim).
 
@@ -343,15 +350,16 @@ def mark_tensor_parallel(model) -> None:
         set_tensor_model_parallel_attributes,
     )
 
-    # Transformer Engine's layers (the TE spec) by name: TE tags its own weights, this only fills a gap
-    te_dims = {"TEColumnParallelLinear": 0, "TELayerNormColumnParallelLinear": 0, "TERowParallelLinear": 1}
     for module in model.modules():
-        dim = 1 if isinstance(module, RowParallelLinear) else te_dims.get(type(module).__name__, 0)
+        dim = 1 if isinstance(module, RowParallelLinear) else TE_PARALLEL_DIMS.get(type(module).__name__, 0)
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)) or \
-                type(module).__name__ in te_dims:
-            w = getattr(module, "weight", None)
-            if w is not None and not getattr(w, "tensor_model_parallel", False):
-                set_tensor_model_parallel_attributes(w, True, dim, 1)
+                type(module).__name__ in TE_PARALLEL_DIMS:
+            # a grouped linear layer (experts) holds weight0 .. weight{n-1}
+            weights = [getattr(module, "weight", None)] + [getattr(module, f"weight{i}", None)
+                                                          for i in range(getattr(module, "num_gemms", 0))]
+            for w in weights:
+                if w is not None and not getattr(w, "tensor_model_parallel", False):
+                    set_tensor_model_parallel_attributes(w, True, dim, 1)
 
 
 def _cpu_only() -> bool:
@@ -421,13 +429,17 @@ class PackedSequences:
         return self.input_ids.numel()
 
     def seq_params(self, device: torch.device | str = "cpu"):
-        """Megatron-Core's `PackedSeqParams` for this pack (THD, self-attention)."""
+        """Megatron-Core's `PackedSeqParams` for this pack (THD, self-attention), with the boundaries also as
+        Python ints (`host_bounds`), so that attention never reads them back from the device."""
         from megatron.core.packed_seq_params import PackedSeqParams
 
         cu = self.cu_seqlens.to(device)
-        longest = int((self.cu_seqlens[1:] - self.cu_seqlens[:-1]).max())
-        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
-                               max_seqlen_kv=longest)
+        bounds = tuple(self.cu_seqlens.tolist())  # the pack is built on the host: no device read
+        longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True))
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                                 max_seqlen_kv=longest)
+        params.host_bounds = bounds  # not a PackedSeqParams field: read by attention.PackedCoreAttention
+        return params
 
     def flat_rows(self, i: int, offset: int, count: int) -> torch.Tensor:
         """Indices into the flattened [T] tokens of tokens offset..offset+count-1 of sequence i."""

@@ -22,6 +22,11 @@ released and restored.
 A storage belongs to the first kind of `KINDS` that names it (a fp32 model's distributed-optimizer shards are
 views of the parameters: they move with `params`). Storages are told apart by their data pointer, so a kind is collected
 while it is resident; a storage that is already empty is skipped.
+
+The pinned host copies come from torch's caching host allocator, which keeps freed pinned blocks for reuse: a
+reload hands them back to the system (`torch._C._host_emptyCache`), so that the host does not hold a copy of
+the trainer's state through the training phase, a checkpoint's gather or a load (the host ledger,
+rollverify.app.host_memory, counts them only while offloaded).
 """
 
 from __future__ import annotations
@@ -94,14 +99,10 @@ class TrainerMemory:
                 stash = self.stashed.pop(kind, None)
                 if stash is None:
                     continue
-                for x in stash:
-                    x.storage.resize_(x.nbytes)
-                    dst = _bytes_of(x.storage)
-                    if x.host is None:
-                        dst.zero_()
-                    else:
-                        dst.copy_(x.host)
-                stats[f"reload/{kind}_bytes"] = float(sum(x.nbytes for x in stash))
+                stats[f"reload/{kind}_bytes"] = float(sum(_put_back(x) for x in stash))
+                stash.clear()  # the host copies go: nothing else names them
+        if stats:
+            _release_host_cached()
         return stats
 
     @contextlib.contextmanager
@@ -146,6 +147,17 @@ class TrainerMemory:
         return [p for inner in self._inner() for g in inner.param_groups for p in g["params"]]
 
 
+def _put_back(x: _Stashed) -> int:
+    """`x`'s storage at its size again, refilled from its host copy (zeros for gradients); its bytes."""
+    x.storage.resize_(x.nbytes)
+    dst = _bytes_of(x.storage)
+    if x.host is None:
+        dst.zero_()
+    else:
+        dst.copy_(x.host)
+    return x.nbytes
+
+
 def _key(s: torch.UntypedStorage) -> tuple:
     return s.device.type, s.device.index, s.data_ptr()
 
@@ -162,3 +174,9 @@ def _release_cached() -> None:
     """Hand the freed blocks back to the driver, where the servers can take them."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
+
+
+def _release_host_cached() -> None:
+    """Give the pinned blocks the reload freed back to the system (torch caches them otherwise)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized() and hasattr(torch._C, "_host_emptyCache"):
+        torch._C._host_emptyCache()

@@ -13,8 +13,10 @@ logged once per process:
 * the packed-attention kernel (`megatron_bridge.attention.PackedCoreAttention`): flash-attn 2's
   `flash_attn.flash_attn_varlen_func`, else flash-attn 4's `flash_attn.cute.flash_attn_varlen_func` (what
   sglang 0.5.23's GPU install brings: the `flash-attn-4` wheel ships only the `flash_attn/cute` package, so the
-  top-level import fails there), else torch's SDPA per sequence. CPU always takes the local spec, no overlap
-  and SDPA.
+  top-level import fails there), else torch's SDPA per sequence. A kernel that imports is also run before it
+  is chosen (`check_kernel`: a tiny causal varlen forward and backward with grouped-query attention, two
+  sequences, bf16, held to SDPA per sequence): one that raises or disagrees is passed over with the reason in
+  the log line. CPU always takes the local spec, no overlap and SDPA.
 
 `probe()` reads the environment; `select_paths` is a pure function of it, so every branch is tested on CPU.
 """
@@ -43,7 +45,7 @@ class Probe:
     te_grouped_linear: bool = False
     flash_attn_2: bool = False
     flash_attn_4: bool = False
-    errors: dict[str, str] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)  # what failed to import, or to run (`check_kernel`)
 
 
 def _imports(module: str, attr: str | None, errors: dict[str, str]) -> bool:
@@ -65,15 +67,73 @@ def probe(device: str) -> Probe:
         return Probe(cuda=False)
     errors: dict[str, str] = {}
     te = _imports("transformer_engine.pytorch", None, errors)
+    fa2 = _imports("flash_attn", "flash_attn_varlen_func", errors)
+    # flash-attn 4's kernels are Hopper's and Blackwell's (SM 9.x, 10.x, 11.x: flash_attn/cute/interface.py)
+    fa4 = _cuda_major() >= 9 and _imports("flash_attn.cute", "flash_attn_varlen_func", errors)
+    runs = {name: working(name, errors) for name, imported in (("flash_attn_2", fa2), ("flash_attn_4", fa4))
+            if imported}
     return Probe(
         cuda=True,
         transformer_engine=te,
         te_grouped_linear=te and _imports("transformer_engine.pytorch", "GroupedLinear", errors),
-        flash_attn_2=_imports("flash_attn", "flash_attn_varlen_func", errors),
-        # flash-attn 4's kernels are Hopper's and Blackwell's (SM 9.x, 10.x, 11.x: flash_attn/cute/interface.py)
-        flash_attn_4=_cuda_major() >= 9 and _imports("flash_attn.cute", "flash_attn_varlen_func", errors),
+        flash_attn_2=runs.get("flash_attn_2", False),
+        flash_attn_4=runs.get("flash_attn_4", False),
         errors=errors,
     )
+
+
+def working(attention: Attention, errors: dict[str, str], device: str = "cuda") -> bool:
+    """Whether `attention`'s kernel passes `check_kernel` here; its failure goes to `errors[attention]`."""
+    problem = check_kernel(varlen_kernel(attention), device)
+    if problem is not None:
+        errors[attention] = problem
+    return problem is None
+
+
+def check_kernel(fn, device: str = "cuda", dtype=None, *, lengths: tuple[int, ...] = (5, 11), heads: int = 4,
+                 groups: int = 2, dim: int = 64, tol: float = 2e-2) -> str | None:
+    """Run a varlen kernel (`varlen_kernel`'s signature) on a tiny pack: `lengths` sequences, causal, `heads`
+    query heads over `groups` key-value heads (GQA), forward and backward, against SDPA per sequence in fp32.
+    None when output and the gradients of q, k and v agree within `tol` (relative to their largest entry),
+    else what went wrong."""
+    import torch
+    import torch.nn.functional as F
+
+    dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    total = sum(lengths)
+    q, k, v = (torch.randn(total, n, dim, generator=gen) for n in (heads, groups, groups))
+    grad = torch.randn(total, heads, dim, generator=gen)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    scale = dim ** -0.5
+
+    def ref():
+        x = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        outs = []
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+            qs, ks, vs = (t[a:b].transpose(0, 1).unsqueeze(0) for t in x)
+            outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
+                                                       enable_gqa=True)[0].transpose(0, 1))
+        out = torch.cat(outs)
+        out.backward(grad)
+        return [out.detach(), *(t.grad for t in x)]
+
+    try:
+        x = [t.detach().to(device, dtype, copy=True).requires_grad_(True) for t in (q, k, v)]
+        c = cu.to(device)
+        out = fn(*x, c, c, max(lengths), max(lengths), softmax_scale=scale, causal=True)
+        out.backward(grad.to(device, dtype))
+        got = [out.detach(), *(t.grad for t in x)]
+    except Exception as e:  # noqa: BLE001 - any failure passes the kernel over, with the reason logged
+        return f"a causal varlen forward and backward with GQA raised {type(e).__name__}: {e}"
+    for name, a, b in zip(("output", "dq", "dk", "dv"), got, ref(), strict=True):
+        if a is None or a.shape != b.shape:
+            return f"a causal varlen GQA check gave {name} of shape {None if a is None else tuple(a.shape)}, " \
+                   f"expected {tuple(b.shape)}"
+        err = (a.float().cpu() - b).abs().max().item() / max(b.abs().max().item(), 1e-6)
+        if not err <= tol:
+            return f"a causal varlen GQA check's {name} differs from SDPA by {err:.2e} (relative; allowed {tol})"
+    return None
 
 
 def _cuda_major() -> int:
@@ -117,14 +177,17 @@ def select_paths(p: Probe, *, moe: bool, distributed_optimizer: bool, use_te: bo
     grouped = te and moe and p.te_grouped_linear
     if moe:
         why["grouped_gemm"] = "TE GroupedLinear" if grouped else "needs the TE spec and TE's GroupedLinear"
+    failed = "; ".join(f"{k} failed its check: {p.errors[k]}" for k in ("flash_attn_2", "flash_attn_4")
+                       if k in p.errors)
     if p.flash_attn_2:
         attention: Attention = "flash_attn_2"
     elif p.flash_attn_4:
         attention = "flash_attn_4"
-        why["attention"] = "flash-attn 4 (flash_attn.cute); the flash-attn 2 entry point is absent"
+        why["attention"] = failed or "flash-attn 4 (flash_attn.cute); the flash-attn 2 entry point is absent"
     else:
         attention = "sdpa"
-        why["attention"] = "no flash-attention varlen kernel imports: SDPA per sequence"
+        why["attention"] = (failed + ": SDPA per sequence") if failed else \
+            "no flash-attention varlen kernel imports: SDPA per sequence"
     why["overlap_param_gather"] = "off: the weight push reads the parameters right after the step"
     return ThroughputPaths("transformer_engine" if te else "local", te, grouped, True, False, attention, why)
 

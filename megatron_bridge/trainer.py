@@ -51,9 +51,15 @@ from megatron_bridge.wrap import make_optimizer, wrap_ddp
 
 
 def resolve_device(device: str) -> str:
-    """`TrainerConfig.device` on this machine: auto is cuda where a GPU is visible, else cpu."""
+    """`TrainerConfig.device` on this machine: auto is what the run configured (`rollverify.devices.DEVICE_ENV`,
+    set by its launcher), else cuda where a GPU is visible, else cpu. CUDA that this process cannot use stops it
+    here (`CudaUnavailable`: the node, the driver torch needs, the fix), before any process group or model."""
+    from rollverify.devices import configured_device, require_cuda
+
     if device == "auto":
-        return "cpu" if use_cpu() else "cuda"
+        device = configured_device() or ("cpu" if use_cpu() else "cuda")
+    if device == "cuda":
+        require_cuda()
     return device
 
 

@@ -337,6 +337,7 @@ class TransportSink:
         if self.inflight is not None:
             self.control.settle(self.inflight[0])
             self.inflight = None
+            collect_ipc()  # the servers have loaded it: its buffer goes back to the allocator
 
     def stats(self) -> dict[str, float]:
         return {"sync_control_bytes": float(self.control.control_bytes())}
@@ -349,6 +350,7 @@ class TransportSink:
             self.sender.finish()
         finally:
             self.control.close()
+            collect_ipc()
 
     @contextlib.contextmanager
     def _aborting(self, what: str, close: bool = True):
@@ -461,11 +463,23 @@ class IpcPeer:
         flat, meta = flatten_bucket(bucket)
         dist.gather_object((device_tag(flat), self.serialize(flat, meta)), None,
                            dst=dist.get_global_rank(self.group, 0), group=self.group)
+        dropped = len(self.alive) > 1
         self.alive = [*self.alive[-1:], flat]
+        if dropped:
+            collect_ipc()
 
     def end(self, version: int) -> None:
         dist.barrier(group=self.group)
         self.alive = []
+        collect_ipc()
+
+
+def collect_ipc() -> None:
+    """Free the buckets whose CUDA IPC handles the servers' TP ranks have closed (`torch.cuda.ipc_collect`):
+    torch keeps a block shared over IPC until its consumers drop it and this runs, so without it the freed
+    buckets' memory stays in limbo beside the servers' pools. Nothing to do off CUDA."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.ipc_collect()
 
 
 _IPC_GROUPS: dict[tuple[int, ...], Any] = {}

@@ -1,4 +1,4 @@
-"""`GpuLedger`: who holds how many bytes of each GPU, phase by phase.
+"""`GpuLedger`: who holds how many bytes of each GPU, phase by phase; `HostLedger`: the same of each node's RAM.
 
 The ledger is keyed by GPU slot (node, local GPU). Each holder of GPU memory (a server's weights, KV pool, CUDA
 graphs, a trainer rank's parameters, gradients, optimizer state, activations, a process's CUDA context) is an
@@ -12,6 +12,10 @@ holder's bytes (with `strict=False` it is kept in `overflows` instead: the plan 
 `compare` holds a measured figure (torch.cuda.memory_allocated, or what mem_get_info says is in use) against the
 ledger and warns, once per phase, slot and kind of measurement, when the measurement is above the ledger by
 more than `margin`.
+
+`HostLedger` keys the same entries by node (slot `(node, HOST)`): the host memory each process, buffer and
+transfer holds on a node (the trainer's offloaded state, a checkpoint's gathered optimizer state, the driver's
+batch, Ray's object store), with `HostMemoryError` naming the phase, the node and every holder's bytes.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 GiB = 1 << 30
-Slot = tuple[int, int]  # (node, local GPU)
+Slot = tuple[int, int]  # (node, local GPU); (node, HOST) on a HostLedger
+HOST = -1  # the "GPU" index of a node's host RAM
 
 log = logging.getLogger(__name__)
 
@@ -31,11 +36,15 @@ def gib(n: float) -> str:
 
 
 def slot_name(slot: Slot) -> str:
-    return f"node {slot[0]} GPU {slot[1]}"
+    return f"node {slot[0]} host RAM" if slot[1] == HOST else f"node {slot[0]} GPU {slot[1]}"
 
 
 class GpuMemoryError(RuntimeError):
     """A GPU would hold more than its memory; the message names the phase, the GPU and each holder's bytes."""
+
+
+class HostMemoryError(GpuMemoryError):
+    """A node's host RAM would hold more than its limit; the message names the phase, the node and each holder."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +60,8 @@ class Peak:
 
 class GpuLedger:
     """Bytes per holder on each GPU slot; see the module docstring."""
+
+    error = GpuMemoryError
 
     def __init__(self, capacity: Mapping[Slot, int], *, strict: bool = True, margin: int = 2 * GiB,
                  warn: Callable[[str], None] | None = None) -> None:
@@ -97,7 +108,7 @@ class GpuLedger:
                    f"{gib(self.capacity[slot])}: {self._describe(entries)}")
             if self.strict:
                 del entries[holder]
-                raise GpuMemoryError(msg)
+                raise self.error(msg)
             self.overflows.append(msg)
 
     def drop(self, slot: Slot, holder: str) -> None:
@@ -138,3 +149,18 @@ class GpuLedger:
     @staticmethod
     def _describe(entries: Mapping[str, int]) -> str:
         return ", ".join(f"{h} {gib(b)}" for h, b in sorted(entries.items()) if b) or "nothing"
+
+
+class HostLedger(GpuLedger):
+    """Bytes per holder in each node's host RAM (slot `(node, HOST)`); `capacity` is what the ledger allows a
+    node (the plan's limit: its RAM times the share Ray's memory monitor leaves), `ram` the node's RAM."""
+
+    error = HostMemoryError
+
+    def __init__(self, limit: Mapping[int, int], *, ram: Mapping[int, int] | None = None, strict: bool = True,
+                 margin: int = 8 * GiB, warn: Callable[[str], None] | None = None) -> None:
+        super().__init__({(n, HOST): b for n, b in limit.items()}, strict=strict, margin=margin, warn=warn)
+        self.ram = {(n, HOST): b for n, b in (ram or limit).items()}
+
+    def node(self, node: int) -> Slot:
+        return (node, HOST)

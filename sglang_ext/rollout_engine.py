@@ -173,10 +173,17 @@ class SGLangRolloutEngine:
                 raise RuntimeError(f"rollout engine: {e}") from e
             self.weights.push(self.weights.source(), version, self.pool.alive())
         self.weights.version = version
+        self.weights.waiting.clear()
 
     def committed(self, version: int) -> None:
         """`version` is what every live server serves now: a weight transport outside this engine committed it."""
         self.weights.version = version
+        self.weights.waiting.clear()
+
+    def awaiting_policy(self) -> set[int]:
+        """Restarted servers whose restore was deferred (`DEFERRED`): alive, given no response until the next
+        weight push reaches them."""
+        return set(self.weights.waiting)
 
     def restart_weights(self, *, source: Callable[[], Iterator[list[tuple[str, Any]]]] | None = None,
                         restore: Callable[[ServerAddress, int], Any] | None = None) -> None:
@@ -337,7 +344,11 @@ class SGLangRolloutEngine:
             groups: dict[str, list[SubmitRequest]] = {}
             for q in reqs:
                 groups.setdefault(q.group if q.group is not None else f"\0{q.rid}", []).append(q)
-            load = {s: len(s.rids) for s in self.pool.alive()}
+            alive = self.pool.alive()
+            load = {s: len(s.rids) for s in alive if s.index not in self.weights.waiting}
+            if not load:
+                raise RuntimeError(f"rollout engine: every live server ({[s.index for s in alive]}) awaits the next "
+                                   "weight push (a deferred restore); push the weights first")
             plan: dict[ServerSlot, list[SubmitRequest]] = {}
             for members in groups.values():
                 target = min(load, key=lambda s: (load[s], s.index))
@@ -377,7 +388,8 @@ class SGLangRolloutEngine:
                     self.pool.run(new.conn.pause())
                     new.paused = True
             self.faults.append({"server": s.index, "restarted": new is not None, "lost": held,
-                                "version": self.weights.version})
+                                "version": self.weights.version,
+                                "awaits_push": new is not None and new.index in self.weights.waiting})
             log.warning("server %d lost: %s, %d responses to resubmit", s.index,
                         "restarted" if new is not None else "abandoned", len(held))
         return bool(lost)
@@ -400,16 +412,22 @@ def _chunks(batch: OutputBatch, s: ServerSlot) -> list[Chunk]:
     return chunks
 
 
+DEFERRED = "restore/deferred"  # a restore's statistics key: the server gets the policy at the next push instead
+
+
 class ServedWeights:
     """The policy the servers serve: its version, pushed to them bucket by bucket, and how a restarted server
     (which loads the original checkpoint) gets it: `restore(server address, version)` when set (a transport
-    outside this process), else `source()`'s buckets pushed through this one."""
+    outside this process), else `source()`'s buckets pushed through this one. A restore whose statistics carry
+    `DEFERRED` leaves the server `waiting`: alive, but given no response until the next push (which reaches every
+    live server) has brought it the policy."""
 
     def __init__(self, pool: ServerPool, source: Callable[[], Iterator[list[tuple[str, Any]]]] | None) -> None:
         self.pool = pool
         self.source = source
         self.restore: Callable[[ServerAddress, int], Any] | None = None
         self.version = 0  # the last policy version every live server committed
+        self.waiting: set[int] = set()  # restarted servers whose restore the next push completes
 
     def push(self, buckets: Iterable[Iterable[tuple[str, Any]]], version: int, servers: list[ServerSlot]) -> None:
         """Stream (hf_name, tensor) buckets to `servers`; one bucket of look-ahead marks the last, which commits.
@@ -429,6 +447,8 @@ class ServedWeights:
     def bring_up(self, server: ServerSlot) -> None:
         """A restarted server gets the current policy (before any response)."""
         if self.restore is not None:
-            self.restore(server.address(), self.version)
+            got = self.restore(server.address(), self.version)
+            if isinstance(got, dict) and got.get(DEFERRED):
+                self.waiting.add(server.index)
         elif self.source is not None:
             self.push(self.source(), self.version, [server])

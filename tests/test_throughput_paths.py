@@ -92,3 +92,68 @@ def test_te_spec_parameter_names_resolve_to_the_converters():
     assert moe["decoder.layers.0.pre_mlp_layernorm.weight"] is n
     assert moe["decoder.layers.0.input_layernorm.weight"] is w and "decoder.layers.0.input_layernorm.weight" in moe
     assert moe.key("decoder.layers.0.input_layernorm.weight") == "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"
+
+
+# --- the kernel check and the SDPA fallback without a host read -------------------------------------------------
+
+
+def _sdpa_kernel(q, k, v, cu_q, cu_k, max_q, max_k, *, softmax_scale, causal, dropout_p=0.0):
+    """A correct varlen kernel on CPU (SDPA per sequence, GQA), standing in for a flash kernel."""
+    import torch.nn.functional as F
+
+    outs = []
+    for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), strict=True):
+        x = [t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
+        outs.append(F.scaled_dot_product_attention(*x, is_causal=causal, scale=softmax_scale,
+                                                   enable_gqa=True)[0].transpose(0, 1))
+    return torch.cat(outs)
+
+
+def test_a_kernel_is_run_before_it_is_chosen_and_passed_over_with_the_reason():
+    from megatron_bridge.throughput import check_kernel
+
+    assert check_kernel(_sdpa_kernel, "cpu") is None
+    not_causal = check_kernel(lambda *a, **k: _sdpa_kernel(*a, **{**k, "causal": False}), "cpu")
+    assert "output differs from SDPA by" in not_causal
+    # query heads mapped to the wrong key-value group (interleaved instead of consecutive)
+    grouping = check_kernel(lambda q, k, v, *a, **kw: _sdpa_kernel(q, k.repeat(1, 2, 1), v.repeat(1, 2, 1), *a, **kw),
+                            "cpu")
+    assert "output differs from SDPA" in grouping
+    no_backward = check_kernel(lambda *a, **k: _sdpa_kernel(*a, **k).detach().requires_grad_(True), "cpu")
+    assert no_backward == "a causal varlen GQA check gave dq of shape None, expected (16, 4, 64)"
+    raising = check_kernel(lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no kernel image for sm_90")), "cpu")
+    assert raising == ("a causal varlen forward and backward with GQA raised RuntimeError: no kernel image for "
+                       "sm_90")
+    # what select_paths then logs: the failed kernel and why, the fallback taken
+    p = select_paths(Probe(True, False, False, False, True, {"flash_attn_2": raising}), moe=False,
+                     distributed_optimizer=True)
+    assert p.attention == "flash_attn_4" and p.why["attention"].startswith("flash_attn_2 failed its check: a causal")
+    p = select_paths(Probe(True, False, False, False, False, {"flash_attn_4": not_causal}), moe=False,
+                     distributed_optimizer=True)
+    assert p.attention == "sdpa" and p.why["attention"].endswith(": SDPA per sequence") and "flash_attn_4" in \
+        p.why["attention"]
+
+
+@pytest.mark.megatron  # the packed attention is a Megatron-Core module
+def test_the_sdpa_fallback_reads_no_boundary_from_the_device():
+    """The packed SDPA path takes the sequence boundaries from the pack's host copy (`host_bounds`): with the
+    device copy on the meta device, which nothing can read back, a layer call gives the same output."""
+    from types import SimpleNamespace
+
+    from megatron_bridge.attention import PackedCoreAttention
+    from megatron_bridge.model import PackedSequences
+
+    pack = PackedSequences.pack([torch.arange(5), torch.arange(11)], pad_to_multiple=4)
+    params = pack.seq_params("cpu")
+    assert params.host_bounds == (0, 5, 16)
+    attn = PackedCoreAttention.__new__(PackedCoreAttention)
+    torch.nn.Module.__init__(attn)
+    attn.heads, attn.groups, attn.head_dim, attn.softmax_scale = 4, 2, 16, 0.25
+    attn.dropout, attn.cp_group, attn.attention, attn._flash = 0.0, None, "sdpa", None
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(16, n, 16, generator=gen) for n in (4, 2, 2))
+    want = attn(q, k, v, None, packed_seq_params=params)
+    blind = SimpleNamespace(**{**vars(params), "cu_seqlens_q": params.cu_seqlens_q.to("meta"), "cu_seqlens_kv": None})
+    assert torch.equal(attn(q, k, v, None, packed_seq_params=blind), want)
+    with pytest.raises(NotImplementedError):  # without the host copy the meta device cannot be read
+        attn(q, k, v, None, packed_seq_params=SimpleNamespace(**{**vars(blind), "host_bounds": None}))

@@ -245,7 +245,7 @@ def test_colocated_handoff_order_against_the_servers(servers, trainer):
     assert book.offloaded == {"params", "grads", "optimizer"} and not handoff.released
     gpu = (0, 0)  # trainer rank 0 and server 0's first GPU
     assert set(book.ledger.holders(gpu)) == {"server 0 context", "server 0 weights", "server 0 kv_cache",
-                                             "server 0 cuda_graph", "trainer rank 0 context"}
+                                             "server 0 runtime", "trainer rank 0 context"}
     train, sync = book.ledger.peaks["train"][gpu], book.ledger.peaks["sync"][gpu]
     assert not any("kv_cache" in h for h, _ in train.holders + sync.holders)  # never beside the trainer's state
     assert {h for h, _ in sync.holders} >= {"server 0 weights", "trainer rank 0 params", "trainer rank 0 bucket"}

@@ -1,8 +1,20 @@
 """GPU smoke test of the trainer (part A) and of the SGLang rollout side (part B): one PASS/FAIL line per check.
 
-    python tools/gpu_smoke.py                          # parts A and G on cuda:0 (<= 8 min on one GPU), gpu_smoke.json
-    python tools/gpu_smoke.py --part B                 # part B: needs SGLang's GPU install
-    python tools/gpu_smoke.py --device cpu --quick     # dry run of part A's logic on CPU with small shapes
+    python tools/gpu_smoke.py --bundle build/gpu-smoke  # parts A, H and G on cuda:0, one command, within 8 minutes
+    python tools/gpu_smoke.py --part B                  # part B: needs SGLang's GPU install
+    python tools/gpu_smoke.py --bundle build/gpu-smoke --dry-run   # here, on CPU: every import it will need
+    python tools/gpu_smoke.py --device cpu --quick      # the parts' logic on CPU with small shapes
+
+On a bare GPU machine (Python 3.12, torch, transformers; no megatron-core, no SGLang, no network), `make
+gpu-smoke-bundle` here first writes the folder it needs (tools/gpu_smoke_bundle.py: megatron-core's source, the
+planner's figures, the tiny models; at most 60 MiB, carried with the checkout): `--bundle` puts its megatron-core
+first on the import path and copies its models into the work folder, and nothing is installed. The run keeps its
+own budget (`--budget-s`, 480 s): before each check it compares the time left with what the check may take
+(`ESTIMATES`) and skips it when that does not fit, so one call ends inside the 8 minutes. The JSON (`--json`) is
+rewritten after every check, so a run cut short still leaves what it measured. `--dry-run` checks, on this
+machine, the bundle and every import the checks make, in processes that can import only what the GPU machine
+has (torch, transformers and their dependencies, megatron from the bundle): the parts run on CPU with small
+shapes, and the imports of what runs only on CUDA are resolved from the tools' source.
 
 Part A needs only torch, transformers and megatron-core (any Python >= 3.11, torch >= 2.11, transformers 5.x;
 nothing is pinned and nothing else is imported: the project modules it uses, `megatron_bridge` and
@@ -35,6 +47,10 @@ activation bytes at the Qwen3-8B and Qwen3-30B-A3B layer shapes against the plan
 consumer rebuilt by two processes and the producer's memory back after they drop it, and which attention kernel
 ran. On CPU only the IPC plumbing (shared memory) and the kernel choice run.
 
+Part H (tools/gpu_host_checks.py): the host memory of a distributed-optimizer save against the host ledger, two
+NCCL ranks on one GPU (where NCCL allows it), a Transformer Engine layer (where TE is installed) and the attention
+kernels' own check.
+
 Part B (SGLang on CUDA): `rollverify serve` on the tiny model; pause / truncate / resume of live responses; a
 weight update through the colocated transport; the engine-versus-trainer log-prob floor in bf16 against `d_s`;
 the GPU weight transports from a trainer on the same GPU (transport_ipc: CUDA IPC handles of flattened buckets;
@@ -49,8 +65,11 @@ import json
 import math
 import os
 import platform
+import shutil
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import warnings
@@ -65,7 +84,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 HEAVY_PACKAGES = ("sglang", "sglang_ext", "sgl_kernel", "flashinfer", "vllm", "ray", "zmq", "wandb", "pydantic",
                   "pandas", "pyarrow", "datasets", "orjson", "uvloop", "fastapi")
 PROJECT_MODULES = ("megatron_bridge", "rollverify", "rollverify.app", "rollverify.app.tiny_model", "rollverify.verify",
-                   "rollverify.losses", "rollverify.sections", "rollverify.strategies", "rollverify.types")
+                   "rollverify.losses", "rollverify.sections", "rollverify.strategies", "rollverify.types",
+                   "rollverify.devices", "rollverify.gpu_ledger", "rollverify.app.host_memory")
+BUNDLED_MODELS = ("dense", "moe")  # in the bundle; the 0.6B-shaped model is made on the device (1.2 GB)
+BUDGET_S = 480.0  # one call on the GPU machine is 600 s; its start and the transfers take the rest
+# the most each check may take on one H100/H200 (a check is skipped when the budget has less left); 30 s otherwise
+ESTIMATES = {"parity_0p6b_fp32": 120, "parity_0p6b_bf16": 60, "checkpoint_roundtrip": 60, "train_step_bf16": 60,
+             "memory_vs_length": 90, "computeprob_throughput": 60, "train_step_mfu": 60,
+             "colocated_handoff_85pct": 150, "activation_bytes_8b": 60, "activation_bytes_30b_a3b": 60,
+             "cuda_ipc_two_consumers": 60, "attention_kernel": 60, "imports_part_a": 1}
 
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12,
                    "L40S": 362e12, "B200": 2250e12, "GH200": 989e12}
@@ -86,32 +113,64 @@ class Check:
 
 
 class Smoke:
-    """Runs checks in order within a time budget; a check that raises is a FAIL with the error as its figure."""
+    """Runs checks in order within a time budget; a check that raises is a FAIL with the error as its figure. Before
+    a check starts, the time left is held against what it may take (`estimate_s`, else `ESTIMATES`): a check that
+    would not fit is skipped. After every check the JSON report (`json_path`) is written again."""
 
-    def __init__(self, budget_s: float, only: set[str] | None = None) -> None:
-        self.deadline = time.monotonic() + budget_s
+    def __init__(self, budget_s: float, only: set[str] | None = None, json_path: str | None = None,
+                 info: dict | None = None) -> None:
+        self.t0 = time.monotonic()
+        self.deadline = self.t0 + budget_s
         self.only = only  # None: every check
         self.checks: list[Check] = []
+        self.json_path, self.info = json_path, dict(info or {})
 
     def wants(self, *names: str) -> bool:
         return self.only is None or any(n in self.only for n in names)
 
-    def run(self, name: str, fn: Callable[[], Check]) -> Check | None:
+    def run(self, name: str, fn: Callable[[], Check], estimate_s: float | None = None) -> Check | None:
         if not self.wants(name):
             return None
         t = time.monotonic()
-        if t > self.deadline:
-            c = Check(name, None, "time budget spent before it started")
+        need = ESTIMATES.get(name, 30) if estimate_s is None else estimate_s
+        if t + need > self.deadline:
+            c = Check(name, None, f"time budget: {max(0.0, self.deadline - t):.0f} s left, the check may take {need} s")
         else:
+            watchdog = threading.Timer(max(2 * need, self.deadline - t), self._stuck, (name, t))
+            watchdog.daemon = True
+            watchdog.start()
             try:
                 c = fn()
             except Exception as e:  # noqa: BLE001 - every failure is reported as this check's result
                 c = Check(name, False, f"{type(e).__name__}: {e}", detail={"traceback": traceback.format_exc()})
+            finally:
+                watchdog.cancel()
             c.name = name
         c.seconds = time.monotonic() - t
         self.checks.append(c)
         print(c.line(), flush=True)
+        self.write(complete=False)
         return c
+
+    def _stuck(self, name: str, started: float) -> None:
+        """A check still running past twice its estimate, or past the budget: its FAIL (with every thread's
+        stack) goes into the report, and the process ends, so that the call ends inside its time."""
+        stacks = "".join(f"thread {tid}:\n" + "".join(traceback.format_stack(frame))
+                         for tid, frame in sys._current_frames().items())
+        c = Check(name, False, f"did not finish within {time.monotonic() - started:.0f} s: stopped",
+                  seconds=time.monotonic() - started, detail={"stacks": stacks[-20000:]})
+        self.checks.append(c)
+        print(c.line(), flush=True)
+        self.write(complete=False)
+        os._exit(3)
+
+    def write(self, complete: bool) -> None:
+        """The report so far (`complete`: every part ran or was skipped) at `json_path`."""
+        if self.json_path is None:
+            return
+        info = {**self.info, "seconds": time.monotonic() - self.t0, "complete": complete}
+        Path(self.json_path).write_text(json.dumps({"info": info, "checks": [asdict(c) for c in self.checks]},
+                                                   indent=1, default=str) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------- shared helpers
@@ -786,21 +845,208 @@ def _memory_handoff(path: str, env: Env, dtype: str, args: list[str]) -> Check:
                  "(needs torch_memory_saver installed)", freed)
 
 
+# ---------------------------------------------------------------------------------------------- the bundle
+
+
+def use_bundle(bundle: Path, env: Env) -> None:
+    """Take megatron-core from the bundle (`tools/gpu_smoke_bundle.py`) and its tiny models into the work folder
+    (where `model_path` finds them); nothing is installed."""
+    site = bundle / "site"
+    if not (site / "megatron" / "core").is_dir():
+        raise SystemExit(f"error: {bundle} is not a gpu-smoke bundle (no site/megatron/core): run make gpu-smoke-bundle")
+    sys.path.insert(0, str(site))
+    models = bundle / "cache" / "models"
+    if models.is_dir():
+        shutil.copytree(models, env.workdir / "cache" / "models", dirs_exist_ok=True)
+    if env.plan_figures is None and (bundle / "plan_figures.json").is_file():
+        env.plan_figures = str(bundle / "plan_figures.json")
+
+
+# the packages the GPU machine has: torch and transformers with everything they require (read from this machine's
+# metadata), the standard library, and the project's and tools' own modules; megatron comes from the bundle only
+DEVICE_IMAGE_ROOTS = ("torch", "transformers")
+OWN = ("megatron_bridge", "rollverify", "gpu_smoke", "gpu_checks", "gpu_host_checks")
+
+
+def device_image_modules() -> set[str]:
+    """Top-level module names of torch's and transformers' dependency closure (their non-optional requirements)."""
+    import importlib.metadata as md
+    import re
+
+    from packaging.requirements import Requirement
+
+    dists: set[str] = set()
+    todo = list(DEVICE_IMAGE_ROOTS)
+    while todo:
+        name = re.sub(r"[-_.]+", "-", todo.pop()).lower()
+        if name in dists:
+            continue
+        try:
+            reqs = md.requires(name) or []
+        except md.PackageNotFoundError:
+            continue
+        dists.add(name)
+        for r in reqs:
+            req = Requirement(r)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(req.name)
+    tops = {m for m, ds in md.packages_distributions().items()
+            if any(re.sub(r"[-_.]+", "-", d).lower() in dists for d in ds)}
+    return tops | set(sys.stdlib_module_names) | set(OWN) | {"megatron", "_distutils_hack", "__main__"}
+
+
+def device_image_path(folder: Path) -> list[str]:
+    """An import path with only what the GPU machine has: the standard library, and `folder` holding links to
+    the site-packages entries (packages and their metadata) of `device_image_modules`. Its own processes start
+    with `-I -S` (no site-packages) and this path; the bundle's `site/` (megatron) and the checkout come first."""
+    import importlib.metadata as md
+    import importlib.util
+    import re
+    import site
+
+    folder.mkdir(parents=True, exist_ok=True)
+    allowed = device_image_modules() - set(sys.stdlib_module_names) - set(OWN) - {"megatron", "__main__"}
+    sites = [Path(x).resolve() for x in site.getsitepackages()]
+    linked: set[str] = set()
+    for name in sorted(allowed):
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            continue
+        if spec is None:
+            continue
+        where = [Path(x) for x in spec.submodule_search_locations] if spec.submodule_search_locations else \
+            [Path(spec.origin)] if spec.origin else []
+        for path in where:
+            if any(path.resolve().is_relative_to(s) for s in sites) and not (folder / path.name).exists():
+                (folder / path.name).symlink_to(path.resolve())
+                linked.add(name)
+    dists = {re.sub(r"[-_.]+", "-", d).lower() for m, ds in md.packages_distributions().items() if m in linked
+             for d in ds}
+    for dist in md.distributions():
+        info = getattr(dist, "_path", None)
+        if info is not None and re.sub(r"[-_.]+", "-", dist.metadata["Name"]).lower() in dists and \
+                not (folder / Path(info).name).exists():
+            (folder / Path(info).name).symlink_to(Path(info).resolve())
+    stdlib = [x for x in sys.path if x and "site-packages" not in x and Path(x).exists()
+              and Path(x).resolve() != Path(__file__).resolve().parent]
+    return [*stdlib, str(folder)]
+
+
+def tool_imports(tools: Path) -> list[str]:
+    """Every module the tools' checks import, at the top or inside a function, but those of part B (SGLang)."""
+    import ast
+
+    part_b = {"part_b", "_pause_truncate_resume", "_weight_update", "_logprob_floor", "_transport",
+              "_memory_handoff", "_record", "_finish", "_as_train_sequence"}
+    found: set[str] = set()
+    for name in ("gpu_smoke.py", "gpu_checks.py", "gpu_host_checks.py"):
+        tree = ast.parse((tools / name).read_text())
+        skip = {id(n) for f in tree.body if isinstance(f, ast.FunctionDef) and f.name in part_b for n in ast.walk(f)}
+        for node in ast.walk(tree):
+            if id(node) in skip:
+                continue
+            if isinstance(node, ast.Import):
+                found.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                found.add(node.module)
+    return sorted(m for m in found if m.split(".")[0] not in ("__future__",))
+
+
+def dry_run(args) -> int:
+    """The bundle's contents and size, then every import on the GPU machine's import path (`device_image_path`):
+    the tools' import list, and the parts run on CPU with small shapes (`--device cpu --quick`)."""
+    bundle = Path(args.bundle)
+    report: dict = {"bundle": str(bundle), "problems": []}
+    manifest = bundle / "manifest.json"
+    if not manifest.is_file():
+        report["problems"].append(f"{bundle} has no manifest.json: run make gpu-smoke-bundle")
+    else:
+        m = json.loads(manifest.read_text())
+        size = sum(f.stat().st_size for f in bundle.rglob("*") if f.is_file())
+        report.update(size_bytes=size, manifest=m)
+        if size > m["max_bytes"]:
+            report["problems"].append(f"the bundle is {size / 2**20:.1f} MiB, over {m['max_bytes'] / 2**20:.0f} MiB")
+        for name in BUNDLED_MODELS:
+            if not (bundle / "cache" / "models" / m["models"][name]).is_dir():
+                report["problems"].append(f"the bundle lacks the {name} model {m['models'][name]}")
+    tools = Path(__file__).resolve().parent
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="rollverify-gpu-smoke-dry-"))
+    image = device_image_path(work / "device-image")
+    boot = ("import runpy, sys; sys.path[:] = " + repr([str(tools), str((bundle / "site").resolve()), str(tools.parent),
+                                                        *image])
+            + f"; sys.argv = sys.argv[1:]; runpy.run_path({str(Path(__file__).resolve())!r}, run_name='__main__')")
+    me = [sys.executable, "-I", "-S", "-c", boot, "gpu_smoke.py", "--bundle", str(bundle)]
+    listed = subprocess.run([*me, "--import-list"], capture_output=True, text=True, timeout=600)
+    try:
+        imports = json.loads(listed.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        imports = {"error": (listed.stdout + listed.stderr)[-3000:]}
+    report["imports"] = imports
+    bad = {k: v for k, v in imports.items() if isinstance(v, str) and v.startswith("FAILED")}
+    if "error" in imports or bad:
+        report["problems"].append(f"imports that do not resolve on the GPU machine: {bad or imports}")
+    ran = subprocess.run([*me, "--device", "cpu", "--quick", "--part", "AHG", "--budget-s", "1e9",
+                          "--workdir", str(work), "--json", str(work / "cpu_run.json")], capture_output=True, text=True,
+                         timeout=3600)
+    print(ran.stdout, end="", flush=True)
+    report["cpu_run"] = {"returncode": ran.returncode, "stderr_tail": ran.stderr[-3000:]}
+    if (work / "cpu_run.json").is_file():
+        report["cpu_run"]["report"] = json.loads((work / "cpu_run.json").read_text())
+    if ran.returncode != 0:
+        report["problems"].append(f"the parts on CPU (--device cpu --quick) exited with {ran.returncode}")
+    report["tool_modules"] = tool_imports(tools)
+    Path(args.json).write_text(json.dumps(report, indent=1, default=str) + "\n")
+    n = sum(1 for v in imports.values() if isinstance(v, str) and not v.startswith("FAILED")) if \
+        "error" not in imports else 0
+    size = report.get("size_bytes", 0) / 2**20
+    print(f"{'FAIL' if report['problems'] else 'PASS'} dry run: bundle {size:.1f} MiB; {n} modules the checks import "
+          f"resolve as on the GPU machine; the parts ran on CPU (exit {ran.returncode}); wrote {args.json}"
+          + "".join(f"\n  problem: {x}" for x in report["problems"]), flush=True)
+    return 1 if report["problems"] else 0
+
+
+def import_list() -> int:
+    """Import each module of `tool_imports` and print {module: where it came from, or FAILED and why}: in
+    `--dry-run`'s process, whose import path is the GPU machine's (`device_image_path`)."""
+    import importlib
+
+    out = {}
+    for name in tool_imports(Path(__file__).resolve().parent):
+        try:
+            mod = importlib.import_module(name)
+            out[name] = getattr(mod, "__file__", None) or "built-in"
+        except Exception as e:  # noqa: BLE001 - reported as not resolving
+            out[name] = f"FAILED {type(e).__name__}: {e}"
+    optional = {"transformer_engine", "flash_attn"}  # the checks skip without them, as they will there
+    for name, where in list(out.items()):
+        if name.split(".")[0] in optional and where.startswith("FAILED"):
+            out[name] = f"absent, as on the GPU machine (the check skips): {where.removeprefix('FAILED ')}"
+    print(json.dumps(out))
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------- main
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--part", choices=["A", "B", "G", "AG", "AB", "ABG"], default="AG",
-                   help="A: the trainer, G: colocated memory, IPC and kernels (tools/gpu_checks.py), B: SGLang")
-    p.add_argument("--device", default="cuda", help="cuda (cuda:N) or cpu (a dry run of the logic)")
+    p.add_argument("--part", choices=["A", "B", "G", "H", "AG", "AH", "AHG", "AB", "ABG"], default="AHG",
+                   help="A: the trainer, H: host memory, NCCL, TE, kernels (tools/gpu_host_checks.py), G: colocated "
+                   "memory, IPC and kernels (tools/gpu_checks.py), B: SGLang")
+    p.add_argument("--device", default="cuda", help="cuda (cuda:N) or cpu (the logic with small shapes)")
     p.add_argument("--quick", action="store_true", help="small shapes (the 0.6B model cut down, short lengths)")
-    p.add_argument("--budget-s", type=float, default=450.0, help="checks not started by then are skipped")
+    p.add_argument("--budget-s", type=float, default=BUDGET_S, help="a check that would end after it is skipped")
     p.add_argument("--checks", default=None, help="comma list: run only these checks (default: all of the part)")
     p.add_argument("--json", default="gpu_smoke.json")
     p.add_argument("--workdir", default=None, help="models and checkpoints go here (default: a temp folder)")
+    p.add_argument("--bundle", default=None, help="the folder make gpu-smoke-bundle wrote (megatron-core, models, "
+                   "the planner's figures): what a machine without the project's install needs")
+    p.add_argument("--dry-run", action="store_true", help="with --bundle, on CPU: the bundle and every import "
+                   "the checks make, as the GPU machine will resolve them")
+    p.add_argument("--import-list", action="store_true", help=argparse.SUPPRESS)  # --dry-run's own process
     p.add_argument("--plan-figures", default=None, help="part G: the planner's figures as --write-plan-figures wrote "
-                   "them (where rollverify.app.plan does not import)")
+                   "them (where rollverify.app.plan does not import; a bundle has them)")
     p.add_argument("--write-plan-figures", default=None, metavar="PATH",
                    help="write the planner's figures for part G to PATH and exit (needs the project's install)")
     args = p.parse_args(argv)
@@ -809,6 +1055,12 @@ def main(argv: list[str] | None = None) -> int:
 
         gpu_checks.write_plan_figures(args.write_plan_figures)
         return 0
+    if args.dry_run:
+        if args.bundle is None:
+            p.error("--dry-run checks a bundle: give --bundle (make gpu-smoke-bundle writes build/gpu-smoke)")
+        return dry_run(args)
+    if args.import_list:
+        return import_list()
     warnings.filterwarnings("ignore")
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     import torch
@@ -820,10 +1072,25 @@ def main(argv: list[str] | None = None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("ROLLVERIFY_CACHE", str(workdir / "cache"))  # the models made here stay here
     env = Env(args.device, args.quick, workdir, args.plan_figures)
-    smoke = Smoke(args.budget_s, set(args.checks.split(",")) if args.checks else None)
-    t0 = time.monotonic()
+    if args.bundle:
+        use_bundle(Path(args.bundle), env)
+    info = {"python": platform.python_version(), "torch": torch.__version__, "device": args.device,
+            "device_name": torch.cuda.get_device_name() if env.cuda else platform.processor(),
+            "quick": args.quick, "part": args.part, "budget_s": args.budget_s, "bundle": args.bundle}
+    for mod in ("transformers", "megatron.core"):
+        try:
+            m = __import__(mod, fromlist=["__version__"])
+            info[mod] = f"{m.__version__} ({Path(m.__file__).parent})"
+        except Exception:  # noqa: BLE001 - a version string is informational
+            info[mod] = None
+    smoke = Smoke(args.budget_s, set(args.checks.split(",")) if args.checks else None, args.json, info)
+    smoke.write(complete=False)
     if "A" in args.part:
         part_a(env, smoke)
+    if "H" in args.part:
+        import gpu_host_checks
+
+        gpu_host_checks.run_all(smoke, env, Check, lambda: stepped_trainer(env))
     if "G" in args.part:
         import gpu_checks
 
@@ -831,19 +1098,22 @@ def main(argv: list[str] | None = None) -> int:
     if "B" in args.part:
         part_b(env, smoke)
     failed = [c.name for c in smoke.checks if c.passed is False]
-    info = {"python": platform.python_version(), "torch": torch.__version__, "device": args.device,
-            "device_name": torch.cuda.get_device_name() if env.cuda else platform.processor(),
-            "quick": args.quick, "part": args.part, "seconds": time.monotonic() - t0}
-    for mod in ("transformers", "megatron.core"):
-        try:
-            info[mod] = __import__(mod, fromlist=["__version__"]).__version__
-        except Exception:  # noqa: BLE001 - a version string is informational
-            info[mod] = None
-    Path(args.json).write_text(json.dumps({"info": info, "checks": [asdict(c) for c in smoke.checks]}, indent=1)
-                               + "\n")
+    smoke.write(complete=True)
     print(f"{'FAIL' if failed else 'PASS'} all: {len(smoke.checks) - len(failed)}/{len(smoke.checks)} checks "
-          f"passed or skipped in {info['seconds']:.0f} s; wrote {args.json}", flush=True)
+          f"passed or skipped in {time.monotonic() - smoke.t0:.0f} s; wrote {args.json}", flush=True)
     return 1 if failed else 0
+
+
+def stepped_trainer(env: Env):
+    """Part H's trainer: the 0.6B-shaped model (cut down with --quick) in bf16 on the device (fp32 on CPU), one
+    GRPO step taken, so that the distributed optimizer holds its state."""
+    path = model_path("0p6b", env)
+    from rollverify.losses import CorrectionConfig
+
+    trainer = make_trainer(path, env, "bfloat16" if env.cuda else "float32", correction=CorrectionConfig(method="none"))
+    seqs = random_sequences(4, 1000, 8, [16, 24])
+    trainer.train_step(seqs)
+    return trainer
 
 
 if __name__ == "__main__":

@@ -6,11 +6,16 @@ becomes the current one by an atomic rename of a new link over the old (after it
 then the older folders are removed. A save that fails (disk full, permission lost, a rank's write error) removes
 what it wrote and raises `CheckpointError`: the link still names the previous checkpoint, untouched and loadable.
 A driver killed while saving leaves a folder no link names; `clean` removes it when the run resumes.
+
+Every trainer rank writes its shards into the checkpoint folder, so DIR must be storage every node shares (the Ray
+launcher checks it at start, rollverify.app.cluster). Pruning removes the old folders here and, through
+`remove_elsewhere` (the Ray launcher's `RayCluster.remove_on_every_node`), on every node of the run.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from collections.abc import Callable
@@ -21,6 +26,7 @@ from rollverify.app.rundir import CHECKPOINT
 from rollverify.app.rundir import CHECKPOINTS as STORE  # DIR/checkpoints/step_NNNNNN: the checkpoint folders
 
 LOOP_FILE = "loop.json"  # written last: a checkpoint folder without it is incomplete
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(RuntimeError):
@@ -54,6 +60,8 @@ class CheckpointStore:
         self.out = Path(out)
         self.link = self.out / CHECKPOINT
         self.store = self.out / STORE
+        # removes folders on every node of the run as well (None: this machine is the run's only one)
+        self.remove_elsewhere: Callable[[list[Path]], None] | None = None
 
     def current(self) -> Path | None:
         """The folder of the last complete checkpoint, None if there is none."""
@@ -105,9 +113,16 @@ class CheckpointStore:
     def _remove_all_but(self, keep: Path) -> None:
         if not self.store.is_dir():
             return
+        stale = []
         for entry in self.store.iterdir():  # only what this store writes: anything else there is not its own
             if entry.name.startswith("step_") and entry.is_dir() and entry.resolve() != keep.resolve():
                 shutil.rmtree(entry, ignore_errors=True)
+                stale.append(entry)
+        if stale and self.remove_elsewhere is not None:
+            try:
+                self.remove_elsewhere(stale)
+            except Exception as e:  # noqa: BLE001 - the new checkpoint is current; old shards only take space
+                log.warning("old checkpoints not removed on every node: %s", e)
 
     def clean(self) -> None:
         """Remove what a save that never finished left (folders the link does not name, a stray link file)."""

@@ -7,13 +7,21 @@ sglang_ext.ray_server). Before any of them starts, `RayCluster.start`:
    one-node run) and waits up to `cluster.join_timeout_s` for `cluster.nodes` nodes;
 2. checks that enough nodes have what one plan node needs (its GPUs, one CPU per actor) and names every node
    that falls short;
-3. reserves one bundle per plan node (`STRICT_SPREAD`: plan node k is the Ray node that holds bundle k) and
+3. on a GPU run, checks on every node with GPUs that this node's torch can use CUDA (`rollverify.devices`): a
+   node whose driver is too old for torch's CUDA build is named with its driver, the one needed and the fix,
+   before anything is reserved;
+4. reserves one bundle per plan node (`STRICT_SPREAD`: plan node k is the Ray node that holds bundle k) and
    waits for the placement group;
-4. checks on every node that the files the run reads (model folder, data files) are there.
+5. checks on every node that the files the run reads (model folder, data files) are there, and that the run
+   folder (`--out`) is storage every node shares: the driver writes a marker there that every node must read
+   back (a trainer rank reads the checkpoint's description rank 0 wrote, every rank writes and reads its
+   shards there, a resume reads them from any node).
 
 Every failure is a `ClusterError` naming the plan node and its Ray node (address and id: simulated nodes on one
 machine share the address). Actors then go to plan node k with `RayCluster.actor_options(k, ...)`: pinned to
-bundle k, with their share of each GPU they use counted against it. Ray does not narrow `CUDA_VISIBLE_DEVICES`
+bundle k, with their share of each GPU they use counted against it, and the run's environment
+(`rollverify.devices.run_env`: the device the config chose, so a trainer rank or server never falls back to the
+CPU, and `cluster.socket_ifname` for gloo's and NCCL's sockets). Ray does not narrow `CUDA_VISIBLE_DEVICES`
 (`RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1`, as slime does), so every process of a node sees all its GPUs and
 the plan's GPU numbers are physical: a trainer rank's `LOCAL_RANK` and a server's `base_gpu_id` are the plan's.
 """
@@ -22,12 +30,15 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rollverify.app.config import ConfigError, RunConfig
+from rollverify.devices import device_report, run_env
 
 if TYPE_CHECKING:
     from rollverify.app.plan import Plan
@@ -134,6 +145,41 @@ def check_resources(needs: list[NodeNeed], nodes: list[RayNode]) -> None:
         usable.remove(max(fits, key=lambda n: (n.gpus, n.cpus)))
 
 
+def check_devices(reports: dict[RayNode, dict]) -> None:
+    """Every GPU node's `device_report` says CUDA works; else a ClusterError naming each node that cannot."""
+    bad = [f"{n.name()}: {r['problem']}" for n, r in reports.items() if r.get("problem")]
+    if bad:
+        raise ClusterError(f"CUDA is not usable on {len(bad)} of the {len(reports)} GPU node(s); nothing was "
+                           "reserved:\n  " + "\n  ".join(bad))
+
+
+def _shared_report(marker: str, token: str) -> str:
+    """On a node: '' when `marker` holds `token`, else what this node sees there instead."""
+    path = Path(marker)
+    try:
+        got = path.read_text()
+    except FileNotFoundError:
+        parent = "exists" if path.parent.is_dir() else "does not exist"
+        return f"does not see {path} (its folder {path.parent} {parent} there)"
+    except OSError as e:
+        return f"cannot read {path}: {e.strerror or e}"
+    return "" if got == token else f"reads another file at {path} (a folder of the same name, not the same storage)"
+
+
+def _remove(paths: list[str]) -> list[str]:
+    """On a node: remove each path (a folder or file), returning those still there."""
+    left = []
+    for p in paths:
+        path = Path(p)
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        if path.exists() or path.is_symlink():
+            left.append(p)
+    return left
+
+
 def _path_report(paths: list[str]) -> dict[str, str]:
     """On a node: what is wrong with each path the run reads ('' when fine)."""
     out = {}
@@ -158,12 +204,14 @@ class RayCluster:
         self.nodes = nodes  # plan node k -> the Ray node holding bundle k
         self.needs = node_needs(plan)
         self.rank_gpus, self.server_gpus = gpu_shares(plan)
+        self.env = {**NOSET_CUDA, **run_env(plan.cfg.cluster.gpus_per_node, plan.cfg.cluster.socket_ifname)}
         self._started_ray = started_ray
 
     @classmethod
-    def start(cls, plan: Plan, paths: list[str] = ()) -> RayCluster:
-        """Connect, wait for the nodes, reserve the placement group, check `paths` on every node (a path ending
-        in '/' is a model folder). Raises ClusterError naming the node that falls short."""
+    def start(cls, plan: Plan, paths: list[str] = (), shared: str | os.PathLike | None = None) -> RayCluster:
+        """Connect, wait for the nodes, check a GPU run's CUDA on every GPU node, reserve the placement group,
+        check `paths` on every node (a path ending in '/' is a model folder) and that `shared` (the run folder)
+        is the same storage on every node. Raises ClusterError naming the node that falls short."""
         import ray
         from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
@@ -176,8 +224,9 @@ class RayCluster:
                                   "(tools/ray_cluster.sh head) and set cluster.address=auto or HEAD_IP:6379")
             # a Ray started here (one node) counts a CPU per actor whatever the machine has: actors mostly wait
             own = {} if address else {"num_cpus": max(os.cpu_count() or 1, sum(n.cpus for n in node_needs(plan)))}
+            env = {**NOSET_CUDA, **run_env(c.gpus_per_node, c.socket_ifname)}
             ray.init(address=address or "local", log_to_driver=c.log_to_driver, include_dashboard=False,
-                     runtime_env={"env_vars": dict(NOSET_CUDA)}, **own)  # "local": never another one found here
+                     runtime_env={"env_vars": env}, **own)  # "local": never another one found here
             started = True
         try:
             needs = node_needs(plan)
@@ -185,6 +234,9 @@ class RayCluster:
             while len([n for n in alive_nodes() if n.cpus or n.gpus]) < c.nodes and time.monotonic() < deadline:
                 time.sleep(0.5)
             check_resources(needs, alive_nodes())
+            if c.gpus_per_node:
+                check_devices(_on_nodes([n for n in alive_nodes() if n.gpus > 0], device_report,
+                                        timeout_s=max(1.0, deadline - time.monotonic())))
             pg = placement_group([n.bundle() for n in needs], strategy="STRICT_SPREAD" if c.nodes > 1 else "PACK",
                                  name=f"rollverify-{os.getpid()}")
             if not pg.wait(timeout_seconds=max(1, int(deadline - time.monotonic()))):
@@ -202,6 +254,8 @@ class RayCluster:
             raise
         try:
             self.check_paths(list(paths))
+            if shared is not None:
+                self.check_shared(shared)
         except BaseException:
             self.close()
             raise
@@ -209,15 +263,55 @@ class RayCluster:
 
     def actor_options(self, node: int, *, num_gpus: float = 0.0, num_cpus: float = 1.0,
                       env: dict[str, str] | None = None) -> dict[str, Any]:
-        """`.options(...)` for an actor on plan node `node`: pinned to its bundle, Ray leaving the GPUs visible."""
+        """`.options(...)` for an actor on plan node `node`: pinned to its bundle, Ray leaving the GPUs visible,
+        with the run's environment (`self.env`: its device, its sockets' interface)."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         return dict(
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=node),
             num_cpus=num_cpus,
             num_gpus=num_gpus,
-            runtime_env={"env_vars": {**NOSET_CUDA, **(env or {})}},
+            runtime_env={"env_vars": {**self.env, **(env or {})}},
         )
+
+    def on_every_node(self, fn, *args: Any) -> list[Any]:
+        """`fn(*args)` once on every plan node (a task pinned to its bundle); the results by plan node."""
+        import ray
+
+        task = ray.remote(fn)
+        refs = [task.options(**self.actor_options(k, num_cpus=0)).remote(*args) for k in range(len(self.nodes))]
+        return ray.get(refs, timeout=self.plan.cfg.cluster.join_timeout_s)
+
+    def check_shared(self, folder: str | os.PathLike) -> None:
+        """`folder` (the run folder) is storage every plan node shares: a marker the driver writes there is read
+        back on every node; else a ClusterError naming each node that does not see it, and the fix."""
+        folder = Path(folder).expanduser().absolute()
+        folder.mkdir(parents=True, exist_ok=True)
+        token = uuid.uuid4().hex
+        marker = folder / f".rollverify-shared-{token[:12]}"
+        marker.write_text(token)
+        try:
+            reports = self.on_every_node(_shared_report, str(marker), token)
+        finally:
+            marker.unlink(missing_ok=True)
+        bad = [f"{self.node_name(k)} {why}" for k, why in enumerate(reports) if why]
+        if bad:
+            raise ClusterError(
+                f"the run folder {folder} is not on storage every node shares:\n  " + "\n  ".join(bad) + "\n"
+                "Every trainer rank writes its checkpoint shards there and reads the checkpoint's description and "
+                "everyone's shards when it resumes: put --out on a file system mounted at the same path on every "
+                "node (NFS, Lustre, GPFS, a cloud file store); see docs/cluster.md, 'Shared storage'")
+
+    def remove_on_every_node(self, paths: list[str | os.PathLike]) -> None:
+        """Remove `paths` (old checkpoint folders) on every plan node, so that no node keeps shards of them, even
+        one whose writes did not reach the shared storage; a ClusterError names what a node could not remove."""
+        paths = [str(p) for p in paths]
+        if not paths:
+            return
+        left = [f"{p} on {self.node_name(k)}" for k, got in enumerate(self.on_every_node(_remove, paths))
+                for p in got]
+        if left:
+            raise ClusterError("old checkpoint folders could not be removed: " + "; ".join(left))
 
     def node_name(self, node: int) -> str:
         return f"plan node {node} at {self.nodes[node].name()}"
@@ -259,3 +353,14 @@ def files_read(cfg: RunConfig, model_path: str | os.PathLike) -> list[str]:
         if isinstance(path, str):
             paths.append(path)
     return paths
+
+
+def _on_nodes(nodes: list[RayNode], fn, *args: Any, timeout_s: float) -> dict[RayNode, Any]:
+    """`fn(*args)` on each of `nodes` (a task pinned to the node, no CPU reserved), before any placement group."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    task = ray.remote(fn)
+    refs = {n: task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n.node_id, soft=False), num_cpus=0,
+                            runtime_env={"env_vars": dict(NOSET_CUDA)}).remote(*args) for n in nodes}
+    return {n: ray.get(ref, timeout=timeout_s) for n, ref in refs.items()}

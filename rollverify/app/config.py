@@ -85,6 +85,12 @@ class ClusterConfig:
     placement: Literal["colocated", "disaggregated"] = "colocated"  # colocated: rollout and training take turns
     rollout_gpus: int = bounded(0, ge=0)  # disaggregated: the last GPUs go to the servers, the rest to the trainer
     gpu_memory_gib: float = bounded(80.0, gt=0.0)  # per GPU, as `plan` budgets it
+    # host RAM per node, as `plan` budgets it (rollverify.app.host_memory): refused above 95 %, where Ray's memory
+    # monitor kills workers
+    host_memory_gib: float = bounded(1024.0, gt=0.0)
+    # the network interface of gloo's and NCCL's sockets on nodes with several (GLOO_SOCKET_IFNAME,
+    # NCCL_SOCKET_IFNAME in every trainer rank and server); null: their own choice
+    socket_ifname: str | None = None
     # --- ray launcher (rollverify.app.cluster) ---
     address: str | None = None  # Ray cluster to join (auto, HEAD_IP:6379); null: RAY_ADDRESS, else a one-node Ray here
     join_timeout_s: float = bounded(120.0, gt=0.0)  # nodes, placement group and file checks that take longer fail
@@ -182,8 +188,15 @@ class RunConfig:
         return self
 
     def check_installed(self) -> None:
-        """Packages the run needs where it starts that validation does not require (so that `rollverify plan`
-        reads any config on any machine): SGLang's memory saver for a colocated GPU run."""
+        """What the run needs where it starts that validation does not require (so that `rollverify plan`
+        reads any config on any machine): CUDA on this machine for a GPU run of the local launcher (the Ray
+        launcher checks every node before it reserves anything), SGLang's memory saver for a colocated GPU run."""
+        if self.cluster.gpus_per_node and self.cluster.launcher == "local":
+            from rollverify.devices import cuda_problem
+
+            problem = cuda_problem()
+            if problem is not None:
+                raise ConfigError(f"cluster.gpus_per_node: {self.cluster.gpus_per_node}, but {problem}")
         if self.servers.engine_args.enable_memory_saver and importlib.util.find_spec("torch_memory_saver") is None:
             raise ConfigError(
                 "servers.engine_args.enable_memory_saver: a colocated GPU run hands each GPU between the SGLang "

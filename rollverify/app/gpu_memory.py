@@ -1,4 +1,5 @@
-"""`MemoryBook`: what each server and trainer rank of a plan takes from its GPUs, recorded on a `GpuLedger`.
+"""`MemoryBook`: what each server and trainer rank of a plan takes from its GPUs and its node's host RAM, recorded
+on a `GpuLedger` and a `HostLedger`.
 
 The book turns the run's events into ledger entries on the plan's (node, GPU) slots, with the byte figures of
 `rollverify.app.plan` (one set of formulas for the plan's table, the replay and a running job):
@@ -6,9 +7,12 @@ The book turns the run's events into ledger entries on the plan's (node, GPU) sl
     holder                              bytes per GPU                                 taken / given back
     server i context                    PROCESS_OVERHEAD                              start / stop
     server i weights                    its weights / tp                              start, resume / release
-    server i kv_cache                   its KV pool (mem_fraction_static x GPU -      start, resume / release
-                                        weights, or max_total_tokens)
-    server i cuda_graph                 CUDA_GRAPH_BYTES (0 with disable_cuda_graph)  start, resume / release
+    server i kv_cache                   its KV pool (mem_fraction_static x the GPU    start, resume / release
+                                        memory free at its start - weights, or
+                                        max_total_tokens)
+    server i runtime                    SGLang's runtime reserve (`sglang_runtime`):  start, resume / release
+                                        CUDA graphs and forward activations, outside  (with the cuda_graph tag)
+                                        mem_fraction_static
     trainer rank r context              PROCESS_OVERHEAD                              built
     trainer rank r params/grads/optim.  TrainerEstimate's                             built, reload / offload
     trainer rank r DDP copy-in          its bf16 params once more, while DDP copies   while built
@@ -17,10 +21,13 @@ The book turns the run's events into ledger entries on the plan's (node, GPU) sl
     trainer rank r forward              TrainerEstimate.forward                       compute_logprobs
     trainer rank r bucket               the push's bucket                             weight push, export
 
-The driver calls the book where it asks a component to take or give back memory (server launch, the handoff's
-release / resume / offload / reload, a trainer call that needs its state resident); `replay` runs the run's own
-start-up and phase order (rollverify.app.handoff) on a book whose sides do nothing, which is how `plan` gets
-each phase's peak. A CPU plan (`gpus_per_node: 0`) has no slots: the book records nothing.
+The host side (`host`, rollverify.app.host_memory.HostBook) records the same events in each node's RAM: the
+processes, the trainer's offloaded state, a checkpoint's gathered optimizer state, the driver's responses and
+Ray's object store. The driver calls the book where it asks a component to take or give back memory (server
+launch, the handoff's release / resume / offload / reload, a trainer call that needs its state resident);
+`replay` runs the run's own start-up and phase order (rollverify.app.handoff) on a book whose sides do nothing,
+which is how `plan` gets each phase's peak. A CPU plan (`gpus_per_node: 0`) has no slots: the book records
+nothing.
 """
 
 from __future__ import annotations
@@ -29,20 +36,58 @@ import contextlib
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
+from rollverify.app.host_memory import HostBook
 from rollverify.gpu_ledger import GiB, GpuLedger, Peak, Slot
 
 if TYPE_CHECKING:
     from rollverify.app.plan import Plan
 
 SERVER_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang 0.5.23's memory tags
+SERVER_HOLDERS = {"weights": "weights", "kv_cache": "kv_cache", "cuda_graph": "runtime", "context": "context"}
 TRAINER_KINDS = ("params", "grads", "optimizer")  # megatron_bridge.offload.KINDS
 PHASES = ("start", "rollout", "train", "verify", "sync", "checkpoint", "export", "restore")
 # Per GPU and process, outside what the formulas count: CUDA context, cuBLAS/NCCL workspaces (an assumption, not a
 # measurement; held against mem_get_info on a GPU run). `rollverify.app.plan.PROCESS_OVERHEAD` is this figure.
 PROCESS_OVERHEAD = int(1.5 * GiB)
-# SGLang captures its CUDA graphs outside mem_fraction_static; an assumption (no GPU path of this project has
-# measured it), checked against mem_get_info on a GPU run
-CUDA_GRAPH_BYTES = 2 * GiB
+MiB = 1 << 20
+
+
+def sglang_runtime(engine_args: dict, gpu_bytes: int) -> int:
+    """The memory SGLang 0.5.23 sets aside for its runtime outside `mem_fraction_static`: CUDA graphs and the
+    forward's activations (`_handle_gpu_memory_settings` and `reserve_for_graph_mb` in
+    sglang/srt/arg_groups/memory_hook.py, the reserve its default fraction leaves): 512 MiB, 1.5 MiB per token of
+    a prefill chunk (`chunked_prefill_size`, at least 2048; its default by GPU memory), tp x pp / 8 GiB of
+    communication buffers, 2 MiB per decode CUDA graph batch size up to `max_bs` (its default by GPU memory, at
+    most `max_running_requests`) and 8 MiB per captured prefill size (prefill graphs are on by default on CUDA);
+    at least 10 GiB on a GPU of more than 60 GiB. With the memory saver (a colocated run) SGLang sizes its KV pool
+    before capturing its graphs, so they come out of this share."""
+    ea = engine_args
+    gpu_mib = gpu_bytes / MiB
+    tp = int(ea.get("tp_size", 1))
+    defaults = ((20 * 1024, 2048, 8, 8), (35 * 1024, 4096, 48, 160), (60 * 1024, 4096, 32, 160),
+                (160 * 1024, 8192, 256, 512), (float("inf"), 16384, 512, 512))
+    chunk, small_bs, large_bs = next((c, a, b) for limit, c, a, b in defaults if gpu_mib < limit)
+    chunk = int(ea.get("chunked_prefill_size") or chunk)
+    max_bs = small_bs if tp < 4 else large_bs
+    if ea.get("max_running_requests"):
+        max_bs = min(max_bs, int(ea["max_running_requests"]))
+    graphs = 0.0
+    if not ea.get("disable_cuda_graph"):
+        if not ea.get("disable_decode_cuda_graph"):
+            graphs += 2 * max_bs
+        if not ea.get("disable_prefill_cuda_graph"):
+            graphs += 8 * len(prefill_graph_sizes(chunk))
+    reserve = 512 + max(chunk, 2048) * 1.5 + tp * int(ea.get("pp_size", 1)) / 8 * 1024 + graphs
+    if gpu_mib > 60 * 1024:
+        reserve = max(reserve, 10 * 1024)
+    return int(reserve * MiB)
+
+
+def prefill_graph_sizes(max_bs: int) -> list[int]:
+    """SGLang's prefill CUDA graph token counts up to `max_bs` (`generate_prefill_cuda_graph_batch_sizes`)."""
+    sizes = [*range(4, 33, 4), *range(48, 257, 16), *range(288, 513, 32), *range(576, 1025, 64),
+             *range(1280, 4097, 256), *range(4608, max_bs + 1, 512)]
+    return [x for x in sizes if x <= max_bs]
 
 
 class MemoryBook:
@@ -61,13 +106,14 @@ class MemoryBook:
             "context": PROCESS_OVERHEAD,
             "weights": s.weights,
             "kv_cache": s.kv_pool_tokens * s.kv_bytes_per_token,
-            "cuda_graph": 0 if ea.disable_cuda_graph else CUDA_GRAPH_BYTES,
+            "cuda_graph": sglang_runtime(ea.args(), int(c.gpu_memory_gib * GiB)),  # the runtime share, graphs included
         }
         self.trainer_bytes = {"context": PROCESS_OVERHEAD, "params": t.weights, "grads": t.gradients,
                               "optimizer": t.optimizer}
         self.activations, self.forward, self.bucket_bytes = t.activations + t.logits, t.forward, bucket_bytes
         self.offloaded: set[str] = set()  # the trainer's kinds off the GPU (mirrors megatron_bridge.offload)
         self.released: dict[int, set[str]] = {}  # server -> tags released
+        self.host = HostBook(plan, strict=strict)
 
     @property
     def enabled(self) -> bool:
@@ -75,6 +121,7 @@ class MemoryBook:
 
     def enter(self, phase: str) -> None:
         self.ledger.enter(phase)
+        self.host.enter(phase)
 
     @property
     def phase(self) -> str:
@@ -87,6 +134,7 @@ class MemoryBook:
         self.released[i] = set()
         for name in ("context", *SERVER_TAGS):
             self._servers([i], name, True)
+        self.host.server(i, True)
 
     def servers_released(self, tags: Iterable[str], servers: Iterable[int] | None = None) -> None:
         for i in self._which(servers):
@@ -107,9 +155,9 @@ class MemoryBook:
         for i in servers:
             for slot in self.server_slots.get(i, []):
                 if on:
-                    self.ledger.hold(slot, f"server {i} {name}", self.server_bytes[name])
+                    self.ledger.hold(slot, f"server {i} {SERVER_HOLDERS[name]}", self.server_bytes[name])
                 else:
-                    self.ledger.drop(slot, f"server {i} {name}")
+                    self.ledger.drop(slot, f"server {i} {SERVER_HOLDERS[name]}")
 
     # --- trainer --------------------------------------------------------------------------------------------
 
@@ -118,6 +166,7 @@ class MemoryBook:
         """Megatron's DDP allocates its parameter and gradient buffers and copies the parameters in (both copies
         held for a moment), then the optimizer its fp32 main parameters and moments."""
         self.offloaded.clear()
+        self.host.trainer(True)
         for name in ("context", "params", "grads"):
             self._ranks(name, self.trainer_bytes[name])
         self._ranks("DDP copy-in", self.trainer_bytes["params"])
@@ -129,11 +178,13 @@ class MemoryBook:
         for k in kinds:
             self.offloaded.add(k)
             self._ranks(k, None)
+            self.host.offloaded(k, True)
 
     def trainer_reloaded(self, kinds: Iterable[str] | None = None) -> None:
         for k in list(self.offloaded if kinds is None else kinds):
             self.offloaded.discard(k)
             self._ranks(k, self.trainer_bytes[k])
+            self.host.offloaded(k, False)
 
     @contextlib.contextmanager
     def resident(self, kinds: Iterable[str]) -> Iterator[None]:
@@ -153,9 +204,16 @@ class MemoryBook:
                         "bucket": ("bucket", self.bucket_bytes)}[what]
         self._ranks(name, nbytes)
         try:
-            yield
+            with self.host.batch() if what in ("train", "forward") else contextlib.nullcontext():
+                yield
         finally:
             self._ranks(name, None)
+
+    @contextlib.contextmanager
+    def trainer_turn(self, phase: str) -> Iterator[None]:
+        """A checkpoint's, an export's or a restore's host working set for the block (`HostBook.turn`)."""
+        with self.host.turn(phase):
+            yield
 
     def _ranks(self, name: str, nbytes: int | None) -> None:
         for r, slot in self.rank_slots.items():

@@ -58,7 +58,7 @@ class NullBook:
         pass
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
-        if name in ("resident", "computing", "trainer_building"):
+        if name in ("resident", "computing", "trainer_building", "trainer_turn"):
             return lambda *a, **k: contextlib.nullcontext()
         return lambda *a, **k: None
 
@@ -148,7 +148,8 @@ class Handoff:
         if freed:
             self._servers("release", freed)
         try:
-            with self.book.resident(kinds), (self.book.computing("bucket") if bucket else contextlib.nullcontext()):
+            with self.book.resident(kinds), (self.book.computing("bucket") if bucket else contextlib.nullcontext()), \
+                    self.book.trainer_turn(phase):
                 yield
         finally:
             self.book.enter("rollout")

@@ -235,6 +235,7 @@ class TrainerEstimate:
     logits: int
     tokens: int  # tokens of the largest micro-batch (per CP rank)
     forward: int = 0  # a no-grad forward's working memory (log-probs): one layer's tensors and the logits chunk
+    params: ParamCounts | None = None  # the rank's parameters (dense, expert): the host ledger's checkpoint rows
 
     @property
     def total(self) -> int:
@@ -265,6 +266,7 @@ def trainer_memory(a: ModelArch, lay: TrainerLayout, context: int) -> TrainerEst
         logits=logits,
         tokens=tokens,
         forward=tokens * per_layer + logits,
+        params=p,
     )
 
 
@@ -352,7 +354,7 @@ def make_plan(cfg: RunConfig) -> Plan:
     if ea.max_total_tokens:
         pool = ea.max_total_tokens
     elif gpu:
-        pool = max(0, int(frac * c.gpu_memory_gib * GiB) - weights) // per_token
+        pool = max(0, int(frac * server_free(c.gpu_memory_gib)) - weights) // per_token
     else:
         pool = live * context  # SGLang sizes a CPU pool from free RAM: nothing to check against
     server = ServerMemory(weights, per_token, live * context, pool, live)
@@ -360,6 +362,12 @@ def make_plan(cfg: RunConfig) -> Plan:
     plan = Plan(cfg, a, lay, context, server_tp, ranks, servers, trainer, server, problems)
     _check_memory(plan)
     return plan
+
+
+def server_free(gpu_memory_gib: float) -> int:
+    """What SGLang measures free on its GPU before loading (`pre_model_load_memory`), which its KV pool takes
+    `mem_fraction_static` of, less the weights: the GPU less its own context (servers start first on their GPUs)."""
+    return int(gpu_memory_gib * GiB) - PROCESS_OVERHEAD
 
 
 def check(cfg: RunConfig) -> Plan:
@@ -429,11 +437,10 @@ def _check_memory(p: Plan) -> None:
         )
     if c.gpus_per_node == 0:
         return
-    cap = int(c.gpu_memory_gib * GiB)
     frac = ea.mem_fraction_static or DEFAULT_MEM_FRACTION
-    if s.weights > frac * cap and not p.cfg.servers.endpoints:
-        out.append(f"server weights {s.weights / GiB:.1f} GiB per GPU exceed mem_fraction_static x GPU memory "
-                   f"= {frac * cap / GiB:.1f} GiB: raise servers.engine_args.tp_size")
+    if s.weights > frac * server_free(c.gpu_memory_gib) and not p.cfg.servers.endpoints:
+        out.append(f"server weights {s.weights / GiB:.1f} GiB per GPU exceed mem_fraction_static x free GPU memory "
+                   f"= {frac * server_free(c.gpu_memory_gib) / GiB:.1f} GiB: raise servers.engine_args.tp_size")
     from rollverify.app.handoff import replay
 
     p.book = replay(p)
@@ -443,6 +450,21 @@ def _check_memory(p: Plan) -> None:
         if phase not in seen:
             seen.add(phase)
             out.append(f"{msg}; {_fix(p, phase.removeprefix('phase '))}")
+    seen.clear()
+    for msg in p.book.host.ledger.overflows:  # the first node whose RAM does not fit, per phase
+        phase = msg.split(":", 1)[0]
+        if phase not in seen:
+            seen.add(phase)
+            out.append(f"{msg} (cluster.host_memory_gib {c.host_memory_gib:g}, of which Ray's memory monitor lets "
+                       f"95 % be used); {_host_fix(phase.removeprefix('phase '))}")
+
+
+def _host_fix(phase: str) -> str:
+    """What to change when a node's RAM does not fit `phase`."""
+    if phase in ("checkpoint", "restore"):
+        return ("a checkpoint gathers each model-parallel shard's fp32 optimizer state (12 bytes a parameter) on the "
+                "host: raise trainer.tp/pp/ep, or set cluster.host_memory_gib to the nodes' RAM if it is larger")
+    return "set cluster.host_memory_gib to the nodes' RAM if it is larger, or spread the layout over more nodes"
 
 
 def _fix(p: Plan, phase: str) -> str:
@@ -517,15 +539,23 @@ def render(p: Plan) -> str:
                                                                                  else ""))
     if gpu:
         frac = p.cfg.servers.engine_args.mem_fraction_static or DEFAULT_MEM_FRACTION
-        lines.append(f"  GPU {c.gpu_memory_gib} GiB; rollout reserves mem_fraction_static {frac} = "
-                     f"{frac * c.gpu_memory_gib:.1f} GiB (KV pool {s.kv_pool_tokens} tokens); plus "
+        from rollverify.app.gpu_memory import sglang_runtime
+
+        free = server_free(c.gpu_memory_gib)
+        runtime = sglang_runtime(p.cfg.servers.engine_args.args(), int(c.gpu_memory_gib * GiB))
+        lines.append(f"  GPU {c.gpu_memory_gib} GiB; a server takes mem_fraction_static {frac} x {free / GiB:.1f} GiB "
+                     f"free at its start = {frac * free / GiB:.1f} GiB (KV pool {s.kv_pool_tokens} tokens) and SGLang's "
+                     f"runtime share {runtime / GiB:.1f} GiB (CUDA graphs, activations); plus "
                      f"{PROCESS_OVERHEAD / GiB:.1f} GiB per process not counted above")
         if c.placement == "colocated" and p.cfg.trainer.offloads(c.launcher, c.placement):
             lines.append("  colocated: one phase at a time, each side releasing its GPU memory for the other's phase")
         elif c.placement == "colocated":
             lines.append("  colocated without the trainer's offload: its state stays on the GPU through rollout")
         if p.book is not None and p.book.enabled:
+            from rollverify.app.gpu_memory import PHASES
+
             lines += ["", *p.book.render()]
+            lines += ["", *p.book.host.render(PHASES)]
     else:
         lines.append("  trainer rows: the bf16 GPU formulas, for scale; nothing is checked against RAM")
     lines.append("")

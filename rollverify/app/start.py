@@ -5,6 +5,7 @@ functions, so that the command line starts fast."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from rollverify.app.config import RunConfig
@@ -59,12 +60,22 @@ def build_tool_turns(cfg: RunConfig, task, tokenizer):
     return ToolTurns(cfg.tools, offered, TokenizerCodec(tokenizer))
 
 
+def use_run_env(cfg: RunConfig) -> None:
+    """The local launcher's processes (this one, its trainer ranks, its servers) get the run's environment
+    (`rollverify.devices.run_env`): the device the config chose, so that none falls back to the CPU where it
+    configured GPUs, and the sockets' interface."""
+    from rollverify.devices import run_env
+
+    os.environ.update(run_env(cfg.cluster.gpus_per_node, cfg.cluster.socket_ifname))
+
+
 def start_trainer(cfg: RunConfig, model_path: Path, world_size: int | None = None):
     """The Megatron trainer of `cfg` on `model_path` (`world_size` ranks, default `trainer.world_size`): a
     `MegatronTrainer` in this process at world size 1, else a `TrainerProxy` over child-process ranks
     (`rollverify train`, `export`)."""
     from megatron_bridge.spawned import make_trainer
 
+    use_run_env(cfg)
     ranks = cfg.trainer.world_size if world_size is None else world_size
     return make_trainer(model_path, cfg.trainer, world_size=ranks, dtype=cfg.model.dtype, seed=cfg.seed,
                         setup=quiet_cpu_warnings)
@@ -86,6 +97,7 @@ def start_engine(cfg: RunConfig, model_path: Path, log_dir: Path, book=None):
             engine.reset()
             st.detail = f"connected to {', '.join(s.endpoints)}"
         return engine
+    use_run_env(cfg)
     cpu_compat.activate()
 
     def launch(i: int):

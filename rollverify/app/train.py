@@ -95,7 +95,8 @@ class Run:
             from rollverify.app.ray_placement import start_ray_engine
 
             with stage("ray cluster") as st:
-                self.cluster = RayCluster.start(self.plan, files_read(self.cfg, self.model_path))
+                self.cluster = RayCluster.start(self.plan, files_read(self.cfg, self.model_path), shared=self.out)
+                self.checkpoints.remove_elsewhere = self.cluster.remove_on_every_node
                 st.detail = ", ".join(self.cluster.node_name(k) for k in range(len(self.cluster.nodes)))
             try:
                 with stage("servers") as st:

@@ -34,6 +34,7 @@ from megatron_bridge.weight_sync import (
 )
 from sglang_ext.client import CurveKeys
 from sglang_ext.pool import ServerAddress
+from sglang_ext.rollout_engine import DEFERRED
 from sglang_ext.tensor_payload import serialize_flattened
 from sglang_ext.weight_transport import ServerControl
 
@@ -182,9 +183,19 @@ class TransportWeights:
         """A restarted server (the engine's `restore_weights`: a server serving the original checkpoint) gets
         `version` through this transport from the trainer's ranks, like a push: over a weight-update group of
         its own (distributed; the next push forms a new group with every live server), or from the rank on its
-        first GPU (ipc). While the trainer is offloaded its parameters come back for the send only, on every
-        rank: colocated on GPUs beside the other servers' KV pools, which the ledger records (and refuses where
-        they do not fit: the servers are generating, so they cannot release their pools for it)."""
+        first GPU (ipc).
+
+        Colocated with an offloaded trainer, the parameters would come back on every rank beside the other
+        servers' KV pools and SGLang's runtime share, which fill the GPUs while they generate: the restore is
+        deferred instead (`DEFERRED`: the engine gives the server no response until the next push, which reaches
+        every live server, brings it the policy). Only when no other server serves does it happen at once, the
+        server (holding no response) releasing its KV pool and runtime share for the send."""
+        if self.colocated and self.handoff.offloads:
+            waiting = getattr(self.engine, "awaiting_policy", set)()
+            if any(s.index != server.index and s.index not in waiting for s in self.live()):
+                return {DEFERRED: 1.0}
+            with self.handoff.trainer_turn("rollout", ("params",), bucket=True):
+                return self.trainer.send_weights(self._spec_of([server], _group_name()), version, self.bucket_bytes)
         with self.handoff.book.resident(("params",)), self.handoff.book.computing("bucket"):
             return self.trainer.send_weights(self._spec_of([server], _group_name()), version, self.bucket_bytes)
 

@@ -25,10 +25,18 @@ SHIM_DIR = Path(__file__).resolve().parent / "shim"
 
 
 def use_cpu() -> bool:
-    """CPU mode unless a CUDA device is present; ROLLVERIFY_DEVICE=cpu|cuda overrides."""
-    forced = os.environ.get("ROLLVERIFY_DEVICE", "").lower()
-    if forced in ("cpu", "cuda"):
-        return forced == "cpu"
+    """CPU mode where the run configured no GPU (ROLLVERIFY_DEVICE=cpu, `rollverify.devices.DEVICE_ENV`, set by
+    its launcher); where it configured GPUs (cuda) never, and a process that cannot use CUDA then stops with
+    `CudaUnavailable` (the node, the driver torch needs, the fix) instead of serving on the CPU. Unset: CPU mode
+    unless a CUDA device is present."""
+    from rollverify.devices import configured_device, require_cuda
+
+    configured = configured_device()
+    if configured == "cuda":
+        require_cuda()
+        return False
+    if configured == "cpu":
+        return True
     try:
         import torch
 
