@@ -414,6 +414,15 @@ def plot(report: dict, path: Path) -> None:
     pk = [r["context"] // 1024 for r in paper]
     pr = np.array([r["paper_ratio"] for r in paper])
     b.errorbar(pk, pr, yerr=0.15 * pr, fmt="r+", markersize=10, capsize=4, label="rollverify / on_policy (paper, ±15 %)")
+    for name, style in zip([k.removesuffix("_ratio") for k in rows[0] if k.startswith("floor_") and k.endswith("_ratio")],
+                           ("v:", "D-."), strict=False):
+        a.plot(ks, [r[f"{name}_gpu_days"] for r in rows], style, color="k", label=f"{name} (physical floor)")
+        b.plot(ks, [r[f"{name}_ratio"] for r in rows], style, color="k", label=f"{name} / on_policy")
+    sens = report.get("sensitivity", {})
+    if sens and all("rollverify_ratio" in row for by in sens.values() for row in by.values()):
+        lo = [min(row["rollverify_ratio"] for row in sens[str(r["context"])].values()) for r in rows]
+        hi = [max(row["rollverify_ratio"] for row in sens[str(r["context"])].values()) for r in rows]
+        b.fill_between(ks, lo, hi, color="C2", alpha=0.2, label="rollverify / on_policy over the drift range")
     for ax in (a, b):
         ax.set_xscale("log", base=2)
         ax.set_xticks(ks, [f"{k}K" for k in ks])
