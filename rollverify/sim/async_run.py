@@ -24,7 +24,7 @@ import numpy as np
 from rollverify.async_loop import AsyncLoop
 from rollverify.rollout import Rollout, RolloutConfig
 from rollverify.sim.cost import CostModel
-from rollverify.sim.engine import SimClock, SimEngine, SimTrainer
+from rollverify.sim.engine import DriftClock, SimClock, SimEngine, SimTrainer
 from rollverify.types import Group
 
 ASYNC_MODES = ("async_rollverify", "async_partial")
@@ -73,9 +73,12 @@ class SimCalls:
         pass
 
 
-def simulate_async(mode: str, context: int, cfg: Any, rollout_gpus: int) -> dict[str, Any]:
+def simulate_async(mode: str, context: int, cfg: Any, rollout_gpus: int,
+                   abort_above_s: float = math.inf) -> dict[str, Any] | None:
     """Run `AsyncLoop` for `cfg.steps` steps of `mode` with `rollout_gpus` of `cfg.cluster.gpus` serving
-    rollouts; returns the run's figures (`rollverify.sim.run.RunResult`'s fields and the split's)."""
+    rollouts; returns the run's figures (`rollverify.sim.run.RunResult`'s fields and the split's), or None as
+    soon as its steps after the first have taken more than `abort_above_s` simulated seconds (a split search's
+    bound: it can no longer beat the best split so far)."""
     if mode not in ASYNC_MODES:
         raise ValueError(f"mode must be one of {ASYNC_MODES}, got {mode!r}")
     cluster = cfg.cluster
@@ -85,11 +88,13 @@ def simulate_async(mode: str, context: int, cfg: Any, rollout_gpus: int) -> dict
                          f"{rollout_gpus}")
     workload = replace(cfg.workload, context=context)
     # the pause of a publish: the weight broadcast plus pause / commit / resume (no memory hand-over)
-    cost_r = CostModel(cfg.model, replace(cluster, gpus=rollout_gpus, sync_overhead_s=cfg.async_pause_s))
+    cost_r = CostModel(cfg.model, replace(cluster, gpus=rollout_gpus, sync_overhead_s=cfg.async_pause_s,
+                                          resident_gib=cfg.async_resident_gib))
     cost_t = CostModel(cfg.model, replace(cluster, gpus=trainer_gpus))
     clock = SimClock()
-    engine = SimEngine(cost_r, workload, clock, cfg.seed, drift=cfg.drift, total_steps=cfg.steps)
-    trainer = SimTrainer(cost_t, cfg.drift, clock, workload.token_unit, cfg.steps, cfg.seed)
+    drift_clock = DriftClock(cfg.drift, cfg.steps)
+    engine = SimEngine(cost_r, workload, clock, cfg.seed, drift=cfg.drift, drift_clock=drift_clock)
+    trainer = SimTrainer(cost_t, cfg.drift, clock, workload.token_unit, cfg.steps, cfg.seed, drift_clock=drift_clock)
     trainer.step_overhead_s = cfg.async_trainer_overhead_s
     calls = SimCalls(clock, engine, trainer)
     batch = cfg.batch_groups * cfg.n
@@ -114,8 +119,10 @@ def simulate_async(mode: str, context: int, cfg: Any, rollout_gpus: int) -> dict
             accept.append(m["acceptance_rate"])
         if m.get("switched") and switched_at is None:
             switched_at = len(steps)
-        stale.append(m.get("trained_staleness_max", 0))
-        returned += int(m.get("n_returned_groups", 0))
+        stale.append(m.get("trained_staleness_max") or 0)  # None on a step of the fallback loop
+        returned += int(m.get("n_returned_groups") or 0)
+        if sum(steps[1:]) > abort_above_s:
+            return None
     # the first step fills the pipeline (every group starts then): the steady state is the mean of the others
     step_s = float(np.mean(steps[1:] if len(steps) > 1 else steps))
     ledger = loop.ledger
@@ -134,6 +141,7 @@ def simulate_async(mode: str, context: int, cfg: Any, rollout_gpus: int) -> dict
         trainer_busy_share=calls.busy_s / clock.now, rollout_idle_share=float(np.sum(idle)) / clock.now,
         first_step_s=steps[0], trained_staleness_max=int(max(stale)), returned_groups=returned,
         step_s_by_step=[round(x, 2) for x in steps],
+        **engine.kv_figures(cfg.steps), offpolicy_share=trainer.offpolicy_share(),
         gpu_days_before_switch=float(np.mean(steps[1:switched_at - 1] if switched_at and switched_at > 2 else steps[1:]))
         * cfg.paper_steps * cluster.gpus / 86400.0,
     )
