@@ -11,6 +11,10 @@ from __future__ import annotations
 import numpy as np
 
 from rollverify.interfaces import Chunk
+from rollverify.loop import Loop
+from rollverify.rollout import Rollout, RolloutConfig
+from rollverify.strategies import AlgoConfig
+from rollverify.types import Group
 
 
 class ScriptedEngine:
@@ -140,3 +144,14 @@ class ScriptedTrainer:
 
     def load(self, path):
         pass
+
+
+def make_loop(mode: str, drift: float = 0.0, **algo) -> tuple[Loop, ScriptedEngine, ScriptedTrainer]:
+    engine, trainer = ScriptedEngine(), ScriptedTrainer(drift)
+    cfg = RolloutConfig(batch_groups=4, n=2, max_new_tokens=64, max_live=24, wait_s=0.0, phase_timeout_s=5)
+    loop = Loop(
+        AlgoConfig(mode=mode, **algo),
+        Rollout(cfg, engine, trainer, make_group=lambda gid: Group.new(gid, [3, 4, 5], cfg.n, cfg.max_new_tokens),
+                reward=lambda group, response: float(response.num_tokens % 2)),
+    )
+    return loop, engine, trainer

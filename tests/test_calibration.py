@@ -236,7 +236,7 @@ def sim_pool(sigma: float, seed: int, version: int = 10, responses: int = 160):
     of a run, where its drift is ``sigma`` per version)."""
     drift = DriftModel(sigma=sigma, spike_rate=0.0)
     pool = carried_pool(1e-3, seed, version, responses)
-    return [(r, drift.new_logprobs(seed, r, version, progress=drift.late, unit=1)) for r, _ in pool]
+    return [(r, drift.new_logprobs(seed, r, version, x=drift.late, unit=1)) for r, _ in pool]
 
 
 def test_simulator_drift_auto_acceptance_holds_across_scales_the_absolute_threshold_does_not():

@@ -47,7 +47,7 @@ class Pool:
 
 def _engine(n: int) -> SGLangRolloutEngine:
     engine = SGLangRolloutEngine.__new__(SGLangRolloutEngine)
-    engine.pool, engine.where, engine._lost, engine.faults = Pool(n), {}, [], []
+    engine.pool, engine._lost, engine.faults = Pool(n), [], []
     engine.weights = ServedWeights(engine.pool, None)
     return engine
 

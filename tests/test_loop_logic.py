@@ -12,24 +12,13 @@ import zlib
 
 import numpy as np
 import pytest
-from fakes import ScriptedEngine, ScriptedTrainer
+from fakes import ScriptedEngine, ScriptedTrainer, make_loop
 
 from rollverify.buffer import RolloutBuffer
 from rollverify.loop import Loop
 from rollverify.rollout import InMemoryWeights, Rollout, RolloutConfig
 from rollverify.strategies import AlgoConfig
 from rollverify.types import Group
-
-
-def make_loop(mode: str, drift: float = 0.0, **algo) -> tuple[Loop, ScriptedEngine, ScriptedTrainer]:
-    engine, trainer = ScriptedEngine(), ScriptedTrainer(drift)
-    cfg = RolloutConfig(batch_groups=4, n=2, max_new_tokens=64, max_live=24, wait_s=0.0, phase_timeout_s=5)
-    loop = Loop(
-        AlgoConfig(mode=mode, **algo),
-        Rollout(cfg, engine, trainer, make_group=lambda gid: Group.new(gid, [3, 4, 5], cfg.n, cfg.max_new_tokens),
-                reward=lambda group, response: float(response.num_tokens % 2)),
-    )
-    return loop, engine, trainer
 
 
 @pytest.mark.parametrize("mode", ["on_policy", "partial", "staleness_filter", "ops_filter", "rollverify", "spec_rl"])

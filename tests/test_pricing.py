@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from test_loop_logic import make_loop
+from fakes import make_loop
 
 from rollverify.pricing import FIELDS, PRICES, Prices, priced_iterations, run_cost
 from rollverify.sim.cost import ClusterSpec, CostModel, ModelSpec

@@ -1,15 +1,15 @@
 """`Rollout`'s own definitions, which both schedules use (rollverify/rollout.py), against the scripted engine of
-tests/test_loop_logic.py: what "live" counts, a cut applied to the buffer and the ledger at once and to the engine
+tests/fakes.py: what "live" counts, a cut applied to the buffer and the ledger at once and to the engine
 at `send`, shelving, the step's decode iterations."""
 
 from __future__ import annotations
 
 import numpy as np
+from fakes import ScriptedEngine, ScriptedTrainer
 
 from rollverify.interfaces import Chunk
 from rollverify.rollout import Rollout, RolloutConfig, StepCounts, trained_ops
 from rollverify.types import Group
-from tests.test_loop_logic import ScriptedEngine, ScriptedTrainer
 
 
 class Recording(ScriptedEngine):

@@ -1,5 +1,5 @@
 """Pure-logic tests of tool turns under the asynchronous schedule (rollverify/async_loop.py over the run's
-`Rollout`) against the scripted multi-turn engine of tests/test_tool_loop_logic.py.
+`Rollout`) against the scripted multi-turn engine of tests/tool_fakes.py.
 
 The trainer's calls complete a fixed number of polls after they start (`LaterCalls`), so the engines generate
 while the trainer works and a response in flight at a publish continues under the next version: mixed-version
@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from fakes import ScriptedTrainer
+from tool_fakes import ENV_LEN, STOP, EchoTool, ToolEngine, WordCodec, check_turns
 
 from rollverify.async_loop import AsyncLoop
 from rollverify.environment.tools import ToolRegistry
@@ -22,8 +24,6 @@ from rollverify.strategies import AlgoConfig
 from rollverify.tool_turns import ToolsConfig, ToolTurns
 from rollverify.types import ENVIRONMENT, POLICY, Group
 from rollverify.verify import two_stage_verify
-from tests.test_loop_logic import ScriptedTrainer
-from tests.test_tool_loop_logic import ENV_LEN, STOP, EchoTool, ToolEngine, WordCodec, check_turns
 
 
 class _Later:
