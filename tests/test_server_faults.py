@@ -18,7 +18,7 @@ import pytest
 from rollverify.app.config import load_config
 from rollverify.app.train import Run
 
-pytestmark = [pytest.mark.engine, pytest.mark.megatron]
+pytestmark = [pytest.mark.engine, pytest.mark.megatron, pytest.mark.slow]  # ~55 s idle: the slow tier
 
 CFG = [
     "rollout.batch_groups=2",

@@ -49,7 +49,10 @@ def run(server, tmp_path, *overrides: str, steps: int = 2, name: str = "run"):
     return summary, rows, out
 
 
-@pytest.mark.parametrize("mode", ["on_policy", "partial", "staleness_filter", "ops_filter", "rollverify"])
+# staleness_filter and ops_filter differ from partial only in the strategy's decisions, which the pure-logic tests
+# hold (tests/test_loop_logic.py); their end-to-end runs are in the slow tier
+@pytest.mark.parametrize("mode", ["on_policy", "partial", pytest.param("staleness_filter", marks=pytest.mark.slow),
+                                  pytest.param("ops_filter", marks=pytest.mark.slow), "rollverify"])
 def test_every_mode_runs_steps_with_exact_accounting(server, tmp_path, mode):
     summary, rows, _ = run(server, tmp_path, f"algo.mode={mode}", "algo.staleness_s=0", "algo.ops_gamma=0.001")
     assert [r["step"] for r in rows] == [1, 2]
@@ -361,13 +364,16 @@ def test_a_rank_killed_in_every_phase_restarts_from_the_checkpoint_and_logs_each
     assert [f["restored_step"] for f in trainer] == [0, 2, 2, 4, 4]
     assert [f["steps_redone"] for f in trainer] == [0, 0, 1, 0, 2]
     detect = [f["detected_at"] - t for f, t in zip(trainer, fired, strict=True)]
-    assert all(0 <= d < 10 for d in detect), detect
+    # noticed by the rank's exit, not by a time-out (trainer.call_timeout_s is 3600 s): a bound far below that
+    # and far above what a loaded machine takes to notice a dead process
+    assert all(0 <= d < 300 for d in detect), detect
     chaos = _chaos_module()
     report = chaos.audit(out, 8, "", {}, load=False)
     assert all(report["checks"].values()) and report["responses_lost"] == 0, report
     assert [r["step"] for r in rows] == list(range(1, 9))
 
 
+@pytest.mark.slow
 def test_a_short_chaos_run_kills_a_rank_and_the_driver_and_fills_the_checkpoint_disk(server, tmp_path):
     """tools/chaos.py on the module's server: a trainer rank and the driver SIGKILLed at seeded moments, the
     checkpoint folder (a tmpfs, as root) filled once; the run finishes with its books exact and no process left.
