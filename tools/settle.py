@@ -94,7 +94,7 @@ def step0(out: Path, seed: int) -> dict | None:
     return json.loads(p.read_text()) if p.exists() else None
 
 
-def run_all(out: Path, todo: list[tuple[str, str, int]], extra: list[str]) -> list:
+def run_all(out: Path, todo: list[tuple[str, str, int]], extra: list[str], step0_evals: bool = True) -> list:
     """Every (setting, mode, seed) without a summary.json, and each seed's step-0 evaluation, on one server."""
     from rollverify.app.config import load_config
     from rollverify.app.evaluate import evaluate_checkpoint
@@ -106,6 +106,8 @@ def run_all(out: Path, todo: list[tuple[str, str, int]], extra: list[str]) -> li
     failed = []
     seeds = sorted({s for *_, s in todo})
     todo = [t for t in todo if not (run_dir(out, *t) / "summary.json").exists()]
+    if not step0_evals:
+        seeds = []
     if not todo and all(step0(out, s) is not None for s in seeds):
         return failed
     base = load_config(CONFIG, [*COMMON, *extra])
@@ -260,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
     p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     p.add_argument("--set", dest="overrides", nargs="*", default=[], metavar="KEY=VALUE")
+    p.add_argument("--no-step0", action="store_true",
+                   help="skip the step-0 evaluations (every seed starts from the same warm-started model, so one "
+                        "seed's measures the start; the others differ only in sampling)")
     a = p.parse_args(argv)
     failed: list = []
     if a.phase == "screen":
@@ -270,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     elif a.phase == "calibrate":
         failed = run_all(a.out, [(a.setting, "rv_auto", SCREEN_SEED)], a.overrides)
     elif a.phase == "seeds":
-        failed = run_all(a.out, [(a.setting, m, s) for s in a.seeds for m in a.modes], a.overrides)
+        failed = run_all(a.out, [(a.setting, m, s) for s in a.seeds for m in a.modes], a.overrides,
+                         step0_evals=not a.no_step0)
     text = screen_table(a.out)
     if a.setting is not None:
         cal = figures(run_dir(a.out, a.setting, "rv_auto", SCREEN_SEED))
