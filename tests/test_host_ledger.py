@@ -67,6 +67,17 @@ def test_a_paper_config_stays_under_half_a_2tb_node_in_every_phase(name):
     assert "host RAM per node by phase (GiB of 2048" in table and "highest: node " in table
 
 
+def test_the_offloaded_copies_stay_on_the_host_until_every_kind_is_back():
+    """A reload empties torch's host cache after its last kind (megatron_bridge.offload), so the train phase's
+    peak holds every rank's offloaded parameters and optimizer state at once, whichever order the book keeps
+    its kinds in."""
+    p = make_plan(load_config(CONFIGS / "qwen3_8b_base.yaml", check_task=False))
+    host = p.book.host.ledger
+    train = dict(host.peaks["train"][host.node(1)].holders)
+    assert train["trainer ranks' offloaded params (8)"] == 8 * p.book.host.figures.offload["params"]
+    assert train["trainer ranks' offloaded optimizer (8)"] == 8 * p.book.host.figures.offload["optimizer"]
+
+
 def test_plan_refuses_a_layout_over_the_nodes_ram(capsys):
     """A node whose RAM the load of a checkpoint overfills (every rank fills its model-parallel shard's whole
     optimizer state): refused before anything starts, naming the phase, the node, the holders and the fix."""
