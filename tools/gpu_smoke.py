@@ -31,7 +31,8 @@ transformers requires). Its checks:
   state: megatron_bridge.offload) lowers `torch.cuda.memory_allocated` by >= 90 % of the bytes it reports
   released, `reload()` returns it to within 1 MiB, and weights (bitwise) and optimizer state come back unchanged.
 - checkpoint_roundtrip: a stepped tiny model saved (Megatron-Core's distributed checkpoint, torch_dist) and
-  loaded into a fresh trainer gives identical log-probs.
+  loaded into a fresh trainer gives identical log-probs; it names the layer spec that ran (Transformer Engine's
+  where TE imports on CUDA, whose modules' `_extra_state` then make the round trip too).
 - routing_replay_bitwise: the tiny MoE's free routes, recorded on the device and replayed, give bitwise the
   same log-probs.
 - memory_vs_length: peak memory of a bf16 train step at 2K..32K tokens per sequence; linear when the 32K/2K
@@ -298,6 +299,7 @@ def check_checkpoint(env: Env) -> Check:
     path = model_path("dense", env)
     seqs = random_sequences(4, 128, 9, [30, 12, 50, 5], seed=2)
     first = make_trainer(path, env, "float32", lr=1e-3)
+    spec = first.paths.layer_spec  # transformer_engine where TE imports on CUDA: its modules' _extra_state too
     try:
         lp0, _ = first.compute_logprobs(seqs)
         for s, a in zip(seqs, np.split(lp0, np.cumsum([s.gen_ids.size for s in seqs])[:-1]), strict=True):
@@ -316,7 +318,7 @@ def check_checkpoint(env: Env) -> Check:
     d = float(np.abs(got - want).max())
     moved = float(np.abs(want - lp0).max())
     return Check("", d == 0.0 and moved > 0, f"max |lp loaded - lp saved| = {d:.1e} (== 0; the step moved lp by "
-                 f"{moved:.1e})", d)
+                 f"{moved:.1e}); layer spec {spec}", d, detail={"layer_spec": spec})
 
 
 def check_replay(env: Env) -> Check:
