@@ -876,6 +876,10 @@ def use_bundle(bundle: Path, env: Env) -> None:
     if not (site / "megatron" / "core").is_dir():
         raise SystemExit(f"error: {bundle} is not a gpu-smoke bundle (no site/megatron/core): run make gpu-smoke-bundle")
     sys.path.insert(0, str(site))
+    # the bundle stays what make gpu-smoke-bundle wrote (its size is what a carry takes): no __pycache__ in it,
+    # from this process or the ones it starts
+    sys.dont_write_bytecode = True
+    os.environ["PYTHONDONTWRITEBYTECODE"] = "1"
     models = bundle / "cache" / "models"
     if models.is_dir():
         shutil.copytree(models, env.workdir / "cache" / "models", dirs_exist_ok=True)
