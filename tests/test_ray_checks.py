@@ -135,7 +135,6 @@ def test_the_run_folder_must_be_shared_storage_and_old_checkpoints_go_on_every_n
     cluster = RayCluster.start(_plan(), shared=tmp_path / "run")  # every node sees tmp_path: it starts
     try:
         assert not list((tmp_path / "run").glob(".rollverify-shared-*"))  # the marker is gone again
-        where = {ray.get_runtime_context().get_node_id(): None}  # noqa: F841 - the driver is on the head
         labels = [next(k for k in n["Resources"] if k.startswith("rv_check_")) for n in ray.nodes()
                   if n["Alive"] and any(k.startswith("rv_check_") for k in n["Resources"])]
         assert sorted(labels) == ["rv_check_a", "rv_check_b"]

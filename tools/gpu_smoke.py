@@ -31,7 +31,9 @@ transformers requires). Its checks:
   state: megatron_bridge.offload) lowers `torch.cuda.memory_allocated` by >= 90 % of the bytes it reports
   released, `reload()` returns it to within 1 MiB, and weights (bitwise) and optimizer state come back unchanged.
 - checkpoint_roundtrip: a stepped tiny model saved (Megatron-Core's distributed checkpoint, torch_dist) and
-  loaded into a fresh trainer gives identical log-probs.
+  loaded into a fresh trainer gives identical log-probs, and the HF export of the weights as loaded equals the
+  model's safetensors bit for bit (the conversion both ways); it names the layer spec that ran (Transformer
+  Engine's where TE imports on CUDA, whose parameter names and `_extra_state` then make both round trips).
 - routing_replay_bitwise: the tiny MoE's free routes, recorded on the device and replayed, give bitwise the
   same log-probs.
 - memory_vs_length: peak memory of a bf16 train step at 2K..32K tokens per sequence; linear when the 32K/2K
@@ -298,7 +300,9 @@ def check_checkpoint(env: Env) -> Check:
     path = model_path("dense", env)
     seqs = random_sequences(4, 128, 9, [30, 12, 50, 5], seed=2)
     first = make_trainer(path, env, "float32", lr=1e-3)
+    spec = first.paths.layer_spec  # transformer_engine where TE imports on CUDA: its modules' _extra_state too
     try:
+        converted = export_errors(first, path)  # HF -> this spec -> HF, before any step: bit for bit
         lp0, _ = first.compute_logprobs(seqs)
         for s, a in zip(seqs, np.split(lp0, np.cumsum([s.gen_ids.size for s in seqs])[:-1]), strict=True):
             s.rollout_logprobs = a
@@ -315,8 +319,25 @@ def check_checkpoint(env: Env) -> Check:
         second.close()
     d = float(np.abs(got - want).max())
     moved = float(np.abs(want - lp0).max())
-    return Check("", d == 0.0 and moved > 0, f"max |lp loaded - lp saved| = {d:.1e} (== 0; the step moved lp by "
-                 f"{moved:.1e})", d)
+    return Check("", d == 0.0 and moved > 0 and not converted,
+                 f"max |lp loaded - lp saved| = {d:.1e} (== 0; the step moved lp by {moved:.1e}); export of the "
+                 f"loaded weights {'bit-exact' if not converted else 'differs: ' + ', '.join(converted[:5])}; "
+                 f"layer spec {spec}", d, detail={"layer_spec": spec, "export_differs": converted})
+
+
+def export_errors(trainer, path: str) -> list[str]:
+    """The trainer's HF export of the weights it loaded from `path`, against `path`'s safetensors: the names that
+    differ in value or dtype, are missing or are extra (empty: the conversion round-trips bit for bit)."""
+    import torch
+    from safetensors.torch import load_file
+
+    ref: dict = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        ref.update(load_file(f))
+    got = trainer.export_hf_state()
+    bad = [f"missing {n}" for n in ref if n not in got] + [f"extra {n}" for n in got if n not in ref]
+    return bad + [n for n, t in got.items() if n in ref and (t.dtype != ref[n].dtype
+                                                              or not torch.equal(t.cpu(), ref[n]))]
 
 
 def check_replay(env: Env) -> Check:
@@ -855,6 +876,10 @@ def use_bundle(bundle: Path, env: Env) -> None:
     if not (site / "megatron" / "core").is_dir():
         raise SystemExit(f"error: {bundle} is not a gpu-smoke bundle (no site/megatron/core): run make gpu-smoke-bundle")
     sys.path.insert(0, str(site))
+    # the bundle stays what make gpu-smoke-bundle wrote (its size is what a carry takes): no __pycache__ in it,
+    # from this process or the ones it starts
+    sys.dont_write_bytecode = True
+    os.environ["PYTHONDONTWRITEBYTECODE"] = "1"
     models = bundle / "cache" / "models"
     if models.is_dir():
         shutil.copytree(models, env.workdir / "cache" / "models", dirs_exist_ok=True)

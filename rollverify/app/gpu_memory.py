@@ -181,10 +181,12 @@ class MemoryBook:
             self.host.offloaded(k, True)
 
     def trainer_reloaded(self, kinds: Iterable[str] | None = None) -> None:
-        for k in list(self.offloaded if kinds is None else kinds):
+        wanted = set(self.offloaded if kinds is None else kinds)
+        back = [k for k in TRAINER_KINDS if k in wanted]  # one order, whatever order the set holds them in
+        for k in back:
             self.offloaded.discard(k)
             self._ranks(k, self.trainer_bytes[k])
-            self.host.offloaded(k, False)
+        self.host.reloaded(back)
 
     @contextlib.contextmanager
     def resident(self, kinds: Iterable[str]) -> Iterator[None]:
@@ -279,4 +281,14 @@ class MemoryBook:
                     worst = (peak.nbytes, name, p, peak)
         if worst is not None:
             lines.append(f"  highest: {worst[1]}, phase {worst[2]}: {worst[3].describe()}")
+            lines.append(f"  margin: {self.margin() / GiB:.1f} GiB, the least a GPU keeps free in any phase (a "
+                         f"restarted server's restore beside generating servers included)")
         return lines
+
+    def margin(self) -> int:
+        """The least any GPU keeps free in any phase of the replay (its capacity less its phase peak): the
+        margin `plan` states for memory the ledger does not see (fragmentation, NCCL buffers beyond the
+        context's share)."""
+        self.ledger.settle()
+        return min((self.ledger.capacity[s] - p.nbytes for peaks in self.ledger.peaks.values()
+                    for s, p in peaks.items()), default=0)

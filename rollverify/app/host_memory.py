@@ -219,6 +219,16 @@ class HostBook:
         for r, node in self.rank_node.items():
             self._set(node, f"trainer ranks' offloaded {kind}", "rank", r, nbytes if on else None)
 
+    def reloaded(self, kinds: list[str]) -> None:
+        """The ranks' host copies of `kinds` go back to the system together, once every kind is on the GPU again
+        (`megatron_bridge.offload.TrainerMemory.reload` empties torch's host cache after the last): until then
+        the node holds them all, which the phase's peak counts."""
+        if not self.enabled:
+            return
+        self.ledger.settle()
+        for kind in kinds:
+            self.offloaded(kind, False)
+
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
         """A train or verify call's batch in Ray's object store: every share on the driver's node, on each other
