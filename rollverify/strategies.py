@@ -228,6 +228,10 @@ class ConditionalSwitch:
             return True
         return False
 
+    def would_switch(self, acceptance_rate: float) -> bool:
+        """Whether `update(acceptance_rate)` would switch, leaving this switch as it is."""
+        return ConditionalSwitch.from_state(self.to_state()).update(acceptance_rate)
+
     def to_state(self) -> dict[str, Any]:
         return asdict(self)
 

@@ -299,3 +299,13 @@ def test_every_step_record_holds_the_same_keys_whatever_the_step_held(mode, veri
     assert all(k == keys[0] for k in keys), [sorted(set(k) ^ set(keys[0])) for k in keys]
     # the run had steps with and without what the conditional figures measure
     assert len({r["n_returned_groups"] > 0 for r in rows}) == 2 or mode == "partial"
+
+
+def test_the_switch_sees_one_acceptance_per_step_whatever_rounds_it_took():
+    # d_s = 0 sends back every group with a stale token, so steps take several rounds; a wide window never fires
+    algo = AlgoConfig(schedule="async", d_s=0.0, switch_window=100)
+    loop, engine, trainer = make(algo)
+    rows = [loop.run_step().metrics for _ in range(5)]
+    assert max(r["verify_rounds"] for r in rows) > 1, "the drift must make some step verify more than once"
+    assert loop.switch.updates == sum(1 for r in rows if r["verified_tokens"] > 0)
+    assert sum(r["n_returned_groups"] for r in rows) >= sum(r["n_returned_again"] for r in rows) >= 0
