@@ -11,7 +11,14 @@ trainer holds version k):
    baseline); a response with a token more than `algo.max_staleness` versions old restarts. A group whose
    responses all pass whole is accepted. Any other goes back to the buffer cut to its verified prefixes, its
    cut responses back to the engines to regenerate their suffixes under the newest version, and the step takes
-   the next finished groups, until it has B.
+   the next finished groups, until it has B. A group that went back completes under whatever version the
+   trainer holds when it has finished again, and is verified then as a whole, its siblings included: the
+   guarantee admits nothing less (a token that passed against version k has not passed against k+1), and for a
+   group the step trains the check costs no pass of its own (the old-log-prob pass computes those log-probs
+   anyway). A sibling that fails then has drifted past the thresholds under the newer policy; cutting it is the
+   verification's job. What amplified this was the switch counting rounds (one bad step of several rounds
+   filled its window): it sees one acceptance per step. `n_returned_again` counts the groups that go back more
+   than once.
 2. Train. One optimizer step on the accepted groups with those old log-probs (version k -> k+1).
 3. Publish. The engines pause, load version k+1 and resume (the weights' channel). With `algo.verify_on:
    engine` they first prefill their in-flight responses under it, and what drifted is cut before they resume,
@@ -105,7 +112,7 @@ class AsyncLoop(Schedule):
             raise ValueError(f"AsyncLoop runs algo.schedule: async, got {algo.schedule!r}")
         self.algo, self.rollout = algo, rollout
         self.calls: Calls = calls or ThreadCalls()
-        self.verifier = make_strategy(algo.mode, replace(algo, conditional_switch=False))
+        self.verifier = make_strategy(algo.mode, replace(algo, conditional_switch=False, tail_batching=False))
         self.switch = (ConditionalSwitch(algo.switch_window, algo.switch_tau, algo.switch_estimator, algo.ema_alpha)
                        if algo.mode == "rollverify" and algo.conditional_switch else None)
         # new groups launch only while fewer finished groups than this wait for the trainer
