@@ -11,7 +11,14 @@ trainer holds version k):
    baseline); a response with a token more than `algo.max_staleness` versions old restarts. A group whose
    responses all pass whole is accepted. Any other goes back to the buffer cut to its verified prefixes, its
    cut responses back to the engines to regenerate their suffixes under the newest version, and the step takes
-   the next finished groups, until it has B.
+   the next finished groups, until it has B. A group that went back completes under whatever version the
+   trainer holds when it has finished again, and is verified then as a whole, its siblings included: the
+   guarantee admits nothing less (a token that passed against version k has not passed against k+1), and for a
+   group the step trains the check costs no pass of its own (the old-log-prob pass computes those log-probs
+   anyway). A sibling that fails then has drifted past the thresholds under the newer policy; cutting it is the
+   verification's job. What amplified this was the switch counting rounds (one bad step of several rounds
+   filled its window): it sees one acceptance per step. `n_returned_again` counts the groups that go back more
+   than once.
 2. Train. One optimizer step on the accepted groups with those old log-probs (version k -> k+1).
 3. Publish. The engines pause, load version k+1 and resume (the weights' channel). With `algo.verify_on:
    engine` they first prefill their in-flight responses under it, and what drifted is cut before they resume,
@@ -26,7 +33,7 @@ discards its output.
 
 Accounting: `Ledger.check` after every step, the queue and the in-flight responses being buffer groups; a
 checkpoint (`state` + the buffer) holds both. Conditional fallback: each step's acceptance (kept / verified tokens
-of the groups it verified) feeds a `ConditionalSwitch`; once it fires, the schedule verifies every carried response
+of the groups it verified, over all its rounds) feeds a `ConditionalSwitch` once; once it fires, the schedule verifies every carried response
 against the current policy and hands the same `Rollout` to the alternating `Loop` (`algo.fallback`: alternating,
 or on_policy, which first shelves every group but the B the next step completes), which runs the steps from then
 on.
@@ -105,7 +112,7 @@ class AsyncLoop(Schedule):
             raise ValueError(f"AsyncLoop runs algo.schedule: async, got {algo.schedule!r}")
         self.algo, self.rollout = algo, rollout
         self.calls: Calls = calls or ThreadCalls()
-        self.verifier = make_strategy(algo.mode, replace(algo, conditional_switch=False))
+        self.verifier = make_strategy(algo.mode, replace(algo, conditional_switch=False, tail_batching=False))
         self.switch = (ConditionalSwitch(algo.switch_window, algo.switch_tau, algo.switch_estimator, algo.ema_alpha)
                        if algo.mode == "rollverify" and algo.conditional_switch else None)
         # new groups launch only while fewer finished groups than this wait for the trainer
@@ -116,6 +123,8 @@ class AsyncLoop(Schedule):
         self._fallback_keys = (sorted(Loop(self._fallback_algo(algo.fallback), rollout).record_keys())
                                if self.switch is not None else [])
         self._async_keys: list[str] = []
+        # times each group in the buffer went back since it was launched (a statistic: n_returned_again)
+        self._returns: dict[int, int] = {}
 
     @property
     def mode(self) -> str:
@@ -197,14 +206,14 @@ class AsyncLoop(Schedule):
 
     def _take(self) -> tuple[list[Group], list[np.ndarray], dict[str, Any]] | None:
         """B finished groups that passed verification against the trainer's version and their old log-probs;
-        groups that failed went back to the buffer and their cut responses to the engines. Each round's
-        acceptance feeds the conditional switch; None when it fires (the round's accepted groups are back in the
+        groups that failed went back to the buffer and their cut responses to the engines. The step's acceptance
+        over its rounds feeds the conditional switch; None when it fires (the accepted groups are back in the
         queue)."""
         r, b = self.rollout, self.cfg.batch_groups
         accepted: list[Group] = []
         old: list[np.ndarray] = []
         outcomes: list[VerifyOutcome] = []
-        returned = 0
+        returned = again = 0
         while len(accepted) < b:
             self.await_finished(b - len(accepted))
             groups = r.buffer.pop_finished(b - len(accepted))
@@ -221,14 +230,23 @@ class AsyncLoop(Schedule):
                 else:
                     self._return(g, dict(zip(outcome.response_ids[i:i + g.n], keep.tolist(), strict=True)))
                     returned += 1
+                    again += self._returns.get(g.group_id, 0) > 0
+                    self._returns[g.group_id] = self._returns.get(g.group_id, 0) + 1
                 i += g.n
-            if self._switched(outcome):
-                for g in accepted:
-                    r.buffer.add_group(g)
-                return None
+            # a step whose acceptance so far would fire the switch ends here (a step in which nothing passes
+            # would not end otherwise); the switch sees it as this step's one acceptance
+            if len(accepted) < b and self._switched(take_metrics(outcomes), peek=True):
+                break
+        verified = take_metrics(outcomes)
+        if self._switched(verified):
+            for g in accepted:
+                r.buffer.add_group(g)
+            return None
+        for g in accepted:
+            self._returns.pop(g.group_id, None)
         staleness = [x.staleness(self.version) for g in accepted for x in g.responses]
         return accepted, old, {
-            **take_metrics(outcomes), "n_returned_groups": returned, "verify_rounds": len(outcomes),
+            **verified, "n_returned_groups": returned, "n_returned_again": again, "verify_rounds": len(outcomes),
             "trained_staleness_max": max(staleness), "trained_staleness_mean": float(np.mean(staleness)),
         }
 
@@ -299,12 +317,14 @@ class AsyncLoop(Schedule):
 
     # --- conditional fallback ---------------------------------------------------------------------------------
 
-    def _switched(self, outcome: VerifyOutcome) -> bool:
-        """One verification round's acceptance into the switch; True when it fires."""
-        verified = outcome.stats["verified_tokens"]  # policy tokens: environment ones are never verified
-        if self.switch is None or not verified:
+    def _switched(self, verified: dict[str, Any], peek: bool = False) -> bool:
+        """The step's acceptance (kept / verified policy tokens over all its rounds) into the switch, once a
+        step, so that its window counts steps as the alternating loop's does whatever rounds a step took; True
+        when it fires (`peek`: would fire, the switch left as it is)."""
+        if self.switch is None or not verified["verified_tokens"]:
             return False
-        return self.switch.update(outcome.stats["kept_tokens"] / verified)
+        rate = verified["kept_tokens"] / verified["verified_tokens"]
+        return self.switch.would_switch(rate) if peek else self.switch.update(rate)
 
     def _fall_back(self) -> StepResult:
         """The switch fired while a step took its groups: the engines pause, every carried response (the queue's

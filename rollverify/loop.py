@@ -8,6 +8,11 @@ For step k under policy version k:
    partial output recorded. In `on_policy` the phase completes exactly B groups: the buffer's first B (a
    backlog left by a switch; finished ones first, then oldest first), new ones for the rest; backlog groups
    beyond B wait off the engines, holding no tokens, for a later step.
+   With `algo.tail_batching` (on-policy tail batching, for on_policy and for what the switch falls to) a
+   regular round launches `tail_launch` x B new groups and ends once B of them have finished: the engines
+   pause and every other group goes back to its prompt, its partial responses dropped (`Rollout.defer`), to
+   wait off the engines; once B groups wait, the step is a long round that generates exactly the B oldest of
+   them to completion. Every token a step trains is then sampled by the policy the step starts from.
 2. Train: the first B finished groups make one optimizer step (version k -> k+1).
 3. Verify: every response still in the buffer (all went stale) is checked against version k+1 by the
    strategy of the mode and cut to its verified prefix, in the buffer and on the engine; the strategy's
@@ -26,6 +31,7 @@ What each phase does to a response (launch, record, score, tool turns, cut, shel
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +40,10 @@ from rollverify.buffer import RolloutBuffer, TokenCounts
 from rollverify.rollout import SYNC_PREFIX, TRAIN_PREFIX, VERIFY_PREFIX, Rollout, Schedule
 from rollverify.strategies import AlgoConfig, Strategy, VerifyOutcome, make_strategy
 from rollverify.types import Group, Response
+
+# a tail-batched run's step record: whether the step was a long round, the groups it sent back to wait and their
+# dropped tokens, and the groups waiting for a long round after it
+TAIL_KEYS = ("tail/long_round", "tail/deferred_groups", "tail/dropped_tokens", "tail/waiting_groups")
 
 
 @dataclass
@@ -88,30 +98,45 @@ class Loop(Schedule):
         r, b = self.rollout, self.cfg.batch_groups
         r.begin_step()
         r.resume()
-        # on_policy completes exactly B groups, the backlog's first; the carry-over modes keep the engines full
+        # on_policy completes exactly B groups, the backlog's first; the carry-over modes keep the engines full;
+        # a tail-batched regular round launches more and ends at the first B (`quota`, `need`)
         phase = None if self.strategy.carries_over else r.first_groups()
+        quota = need = b
+        regular = self.algo.tail_batching and phase is not None and len(phase) < b
+        if regular:
+            phase, quota = [], math.ceil(self.algo.tail_launch * b)  # the waiting groups wait for a long round
         # after a restore, a lost server or a switch the engine no longer holds some unfinished responses
         r.resubmit_lost(phase)
         r.submit_missing(phase)
         r.expect_progress()
         while True:
-            launched = r.fill(None if phase is None else b - len(phase))
+            launched = r.fill(None if phase is None else quota - len(phase))
             if phase is not None:
                 phase += launched
             r.poll(phase)
             if phase is None and r.buffer.num_finished >= b:
                 break
-            if phase is not None and len(phase) == b and all(r.buffer.groups[g].finished for g in phase):
-                break  # on_policy: the phase's B groups have finished
+            if phase is not None and sum(r.buffer.groups[g].finished for g in phase) >= need \
+                    and (regular or len(phase) == quota):
+                break  # on_policy: the phase's B groups have finished; tail-batched: B of them
             if r.stalled():
                 raise TimeoutError(f"rollout made no progress for {self.cfg.phase_timeout_s:.0f} s "
                                    f"({r.live()} responses live on the engines)")
+        tail = dict.fromkeys(TAIL_KEYS, 0) if self.algo.tail_batching else {}
         if self.strategy.carries_over:
             paused = r.pause()
+        elif regular:
+            paused = r.live()
+            deferred, dropped = r.defer()
+            tail.update({"tail/deferred_groups": deferred, "tail/dropped_tokens": dropped.policy})
         else:
             paused = 0
             r.record(r.engine.wait_finished(0.0))  # anything that finished meanwhile
-        return {**r.counts.figures(r.ledger), "n_paused": paused}
+            if tail:
+                tail["tail/long_round"] = 1
+        if tail and not self.strategy.carries_over:
+            tail["tail/waiting_groups"] = sum(1 for g in r.buffer.groups.values() if not g.finished)
+        return {**r.counts.figures(r.ledger), "n_paused": paused, **tail}
 
     # --- 3. verify ------------------------------------------------------------------------------------------
 
@@ -174,6 +199,7 @@ class Loop(Schedule):
         it does (rollverify.metrics' rule: one record shape for a run)."""
         r = self.rollout
         return {*r.counts.figures(r.ledger), "n_paused", *self._verify_nothing({"n_carried": 0}), *r.record_keys(),
+                *(TAIL_KEYS if self.algo.tail_batching else ()),
                 "mode", "rollout_s", "train_s", "verify_s", "sync_s", "step_s"}
 
     def _decide(self, carried: list[Response], stats: dict[str, Any]) -> tuple[VerifyOutcome, list[str] | None]:

@@ -383,6 +383,18 @@ class Rollout:
         self._shelved |= ids
         return ids, counts
 
+    def defer(self) -> tuple[int, TokenCounts]:
+        """On-policy tail batching's end of a regular round: the engines pause (what they generated is recorded),
+        every group but the first B finished ones goes back to its prompt (`shelve`: partial responses dropped,
+        so nothing older than the next step's policy is ever trained) and leaves the engines. Returns (groups
+        deferred, the tokens dropped)."""
+        self.pause()
+        keep = set(self.first_groups())
+        deferred = sum(1 for g in self.buffer.groups if g not in keep)
+        counts = self.shelve()[1]
+        self.send()
+        return deferred, counts
+
     def send(self, *, relaunch: bool = True) -> None:
         """What the buffer now says, to the engines: shelved responses dropped, cut ones truncated to their kept
         prefix (a finished one cut short revives). A generating engine relaunches a revived response at once;

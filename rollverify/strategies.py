@@ -79,6 +79,12 @@ class AlgoConfig:
     # async: where the conditional switch goes once acceptance stays low: on_policy (as the alternating loop's
     # switch), or the alternating loop with a fresh switch of its own
     fallback: str = "on_policy"
+    # on-policy tail batching (RollPacker's, on this project's shelving): a step that generates for on_policy (the
+    # mode, or what the conditional switch falls to) launches tail_launch x B groups and trains the first B that
+    # finish; the others go back to their prompts, their partial responses dropped, and wait; once B wait, a
+    # long round generates exactly them (rollverify/loop.py)
+    tail_batching: bool = False
+    tail_launch: float = 1.5
     # spec_rl (SPEC-RL's lenience knobs): accept a token with probability min(1, exp(scale (delta + lenience)))
     # and, with p_min > 0, only where p_new >= p_min; delta = lp_new - lp_old. Its draws derive from spec_seed
     # and the policy version.
@@ -110,7 +116,7 @@ class AlgoConfig:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
                 raise bad(key, "a number >= 0 (inf turns it off)")
-        for key in ("seq_stage", "token_stage", "conditional_switch", "adv_use_std", "monitor_ops"):
+        for key in ("seq_stage", "token_stage", "conditional_switch", "adv_use_std", "monitor_ops", "tail_batching"):
             if not isinstance(getattr(self, key), bool):
                 raise bad(key, "true or false")
         if isinstance(self.staleness_s, bool) or not isinstance(self.staleness_s, int) or self.staleness_s < 0:
@@ -133,6 +139,15 @@ class AlgoConfig:
                 raise bad(key, "an integer >= 0")
         if self.fallback not in FALLBACKS:
             raise bad("fallback", f"one of {FALLBACKS}")
+        if isinstance(self.tail_launch, bool) or not isinstance(self.tail_launch, int | float) \
+                or not 1 < self.tail_launch < math.inf:
+            raise bad("tail_launch", "a number > 1 (groups launched per regular round, in batches of B)")
+        if self.tail_batching and not self.falls_to_on_policy:
+            raise ValueError(
+                f"algo.tail_batching applies where the run generates on-policy: algo.mode on_policy, or rollverify "
+                f"with algo.conditional_switch (what it switches to), or the asynchronous schedule's fallback; "
+                f"algo.mode {self.mode!r} never does: set algo.tail_batching=false"
+            )
         if self.schedule == "async" and self.mode not in ASYNC_MODES:
             raise ValueError(
                 f"algo.mode {self.mode!r} has no meaning in algo.schedule: async (the trainer takes whatever groups "
@@ -140,6 +155,11 @@ class AlgoConfig:
                 f"partial (the unverified asynchronous baseline, bounded by algo.max_staleness), or "
                 f"algo.schedule=alternating"
             )
+
+    @property
+    def falls_to_on_policy(self) -> bool:
+        """Whether the run ever generates on-policy: the mode, the alternating switch's or the async fallback's."""
+        return self.mode == "on_policy" or (self.mode == "rollverify" and self.conditional_switch)
 
 
 @dataclass
@@ -207,6 +227,10 @@ class ConditionalSwitch:
             )
             return True
         return False
+
+    def would_switch(self, acceptance_rate: float) -> bool:
+        """Whether `update(acceptance_rate)` would switch, leaving this switch as it is."""
+        return ConditionalSwitch.from_state(self.to_state()).update(acceptance_rate)
 
     def to_state(self) -> dict[str, Any]:
         return asdict(self)

@@ -299,3 +299,26 @@ def test_every_step_record_holds_the_same_keys_whatever_the_step_held(mode, veri
     assert all(k == keys[0] for k in keys), [sorted(set(k) ^ set(keys[0])) for k in keys]
     # the run had steps with and without what the conditional figures measure
     assert len({r["n_returned_groups"] > 0 for r in rows}) == 2 or mode == "partial"
+
+
+def test_the_switch_sees_one_acceptance_per_step_whatever_rounds_it_took():
+    # a drift that sends groups back, so steps take several rounds; a wide window never fires
+    algo = AlgoConfig(schedule="async", switch_window=100)
+    loop, engine, trainer = make(algo, sigma=0.3)
+    rows = [loop.run_step().metrics for _ in range(8)]
+    assert max(r["verify_rounds"] for r in rows) > 1, "the drift must make some step verify more than once"
+    assert loop.switch.updates == sum(1 for r in rows if r["verified_tokens"] > 0)
+    assert sum(r["n_returned_groups"] for r in rows) >= sum(r["n_returned_again"] for r in rows) >= 0
+
+
+def test_a_tail_batched_fallback_trains_only_the_steps_own_tokens_after_its_first_step():
+    algo = AlgoConfig(schedule="async", d_s=0.0, switch_window=1, tail_batching=True)
+    loop, engine, trainer = make(algo, max_live=24)
+    rows = [loop.run_step().metrics for _ in range(6)]
+    first = next(i for i, r in enumerate(rows) if r.get("switched"))
+    assert first < 4 and all(r["mode"] == "on_policy" for r in rows[first:])
+    assert all(r["tail/long_round"] is None for r in rows[:first])  # one record shape: null before the fallback
+    assert any(r["tail/deferred_groups"] for r in rows[first + 1:]) or any(r["tail/long_round"] for r in rows[first + 1:])
+    for s in trainer.steps[first + 1:]:  # the fallback's first step completes the verified prefixes it kept
+        assert all((ver == s["version"]).all() for _, ver in s["tokens"])
+    loop.ledger.check(loop.buffer)

@@ -476,3 +476,12 @@ def test_every_input_is_labelled_measured_or_guessed():
     for key in ("gpu_spec.peak_flops", "model.kv_heads", "cluster.mem_fraction_static", "sglang.clip_max_new_tokens",
                 "batch_groups", "algo.d_s"):
         assert not rows[key]["guessed"], key
+
+
+def test_tail_batching_in_the_model_trains_nothing_off_policy_and_drops_the_deferred_work():
+    tail = replace(SMALL, workload=replace(SMALL.workload, sigma_response=1.2), steps=8)
+    on, tb = (simulate(m, 16384, tail) for m in ("on_policy", "on_policy_tb"))
+    assert tb.long_rounds >= 1 and on.long_rounds == 0
+    assert tb.offpolicy_share == 0.0 and on.offpolicy_share == 0.0  # every trained token is its step's policy's
+    assert tb.cut_fraction > 0 and on.cut_fraction == 0  # the deferred groups' partial responses were dropped
+    assert tb.tokens_per_step > on.tokens_per_step

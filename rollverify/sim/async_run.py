@@ -27,7 +27,7 @@ from rollverify.sim.cost import CostModel
 from rollverify.sim.engine import DriftClock, SimClock, SimEngine, SimTrainer
 from rollverify.types import Group
 
-ASYNC_MODES = ("async_rollverify", "async_partial")
+ASYNC_MODES = ("async_rollverify", "async_partial", "async_rollverify_tb")  # _tb: its on-policy fallback tail-batched
 
 
 class _SimPending:
@@ -103,13 +103,14 @@ def simulate_async(mode: str, context: int, cfg: Any, rollout_gpus: int,
         max_live=max(batch, int(cfg.max_live_batches * batch)), wait_s=0.0, phase_timeout_s=3600.0,
     )
     window = max(2, round(cfg.algo.switch_window * cfg.steps / cfg.paper_steps))
-    inner = mode.removeprefix("async_")
+    inner = mode.removeprefix("async_").removesuffix("_tb")
     staleness = cfg.algo.max_staleness
-    algo = replace(cfg.algo, mode=inner, schedule="async", switch_window=window, monitor_ops=False)
+    algo = replace(cfg.algo, mode=inner, schedule="async", switch_window=window, monitor_ops=False,
+                   tail_batching=mode.endswith("_tb"))
     prompt = np.zeros(workload.prompt_tokens, np.int32)
     loop = AsyncLoop(algo, Rollout(rollout, engine, trainer, lambda gid: Group.new(gid, prompt, cfg.n, workload.max_units),
                                    lambda group, response: float(response.index % 2)), calls=calls)
-    steps, accept, switched_at, stale, returned, idle = [], [], None, [], 0, []
+    steps, accept, switched_at, stale, returned, again, idle = [], [], None, [], 0, 0, []
     for _ in range(cfg.steps):
         t0, idle0 = clock.now, clock.spent.get("idle", 0.0)
         m = loop.run_step().metrics
@@ -121,6 +122,7 @@ def simulate_async(mode: str, context: int, cfg: Any, rollout_gpus: int,
             switched_at = len(steps)
         stale.append(m.get("trained_staleness_max") or 0)  # None on a step of the fallback loop
         returned += int(m.get("n_returned_groups") or 0)
+        again += int(m.get("n_returned_again") or 0)
         if sum(steps[1:]) > abort_above_s:
             return None
     # the first step fills the pipeline (every group starts then): the steady state is the mean of the others
@@ -140,6 +142,7 @@ def simulate_async(mode: str, context: int, cfg: Any, rollout_gpus: int,
         rollout_gpus=rollout_gpus, trainer_gpus=trainer_gpus, max_staleness=staleness,
         trainer_busy_share=calls.busy_s / clock.now, rollout_idle_share=float(np.sum(idle)) / clock.now,
         first_step_s=steps[0], trained_staleness_max=int(max(stale)), returned_groups=returned,
+        returned_again=again,
         step_s_by_step=[round(x, 2) for x in steps],
         **engine.kv_figures(cfg.steps), offpolicy_share=trainer.offpolicy_share(),
         gpu_days_before_switch=float(np.mean(steps[1:switched_at - 1] if switched_at and switched_at > 2 else steps[1:]))

@@ -30,7 +30,9 @@ from rollverify.strategies import VERIFY_ON, AlgoConfig
 from rollverify.types import Group
 
 MODES = ("on_policy", "partial", "rollverify")  # the alternating loop, colocated (the default run)
-ALL_MODES = (*MODES, *ASYNC_MODES)  # and the asynchronous schedule, disaggregated (rollverify.sim.async_run)
+# on-policy tail batching (`algo.tail_batching`): on_policy with it, and rollverify whose switch falls to it
+TAIL_MODES = ("on_policy_tb", "rollverify_tb")
+ALL_MODES = (*MODES, *TAIL_MODES, *ASYNC_MODES)  # and the asynchronous schedule, disaggregated (rollverify.sim.async_run)
 CONTEXTS = (8192, 16384, 32768, 65536)
 SECONDS_PER_DAY = 86400.0
 VERIFY_WHERE = {
@@ -105,6 +107,7 @@ class RunResult:
     first_step_s: float = math.nan  # the pipeline's fill (left out of step_s_mean)
     trained_staleness_max: int = 0
     returned_groups: int = 0  # groups a step's verification sent back
+    returned_again: int = 0  # of them, groups sent back before (verified again staler: the ratchet)
     split_search: dict[str, float] = field(default_factory=dict)  # rollout GPUs -> GPU-days, when searched
     split_pruned: list[str] = field(default_factory=list)  # splits stopped once they could no longer win: their
     # split_search figure is a lower bound (the GPU-days of the steps they ran, spread over the whole run)
@@ -112,6 +115,7 @@ class RunResult:
     # GPU-days at the mean step before the switch (async: the pipeline's fill left out too): what the schedule
     # costs while acceptance holds (the drift's collapse comes at the same share of the run whatever `steps` is)
     gpu_days_before_switch: float = math.nan
+    long_rounds: int = 0  # tail batching: steps that generated only deferred prompts
 
     def row(self) -> dict:
         return asdict(self)
@@ -126,20 +130,25 @@ def simulate(mode: str, context: int, cfg: SimConfig) -> RunResult:
     engine = SimEngine(cost, workload, clock, cfg.seed, drift=cfg.drift, tools=cfg.tools, drift_clock=drift_clock)
     trainer = SimTrainer(cost, cfg.drift, clock, workload.token_unit, cfg.steps, cfg.seed, drift_clock=drift_clock)
     batch = cfg.batch_groups * cfg.n
+    tail = mode in TAIL_MODES
+    # on_policy_tb's regular round launches tail_launch batches at once; rollverify_tb keeps rollverify's
+    # carry-over concurrency, so the two differ only after the switch (its regular rounds launch as room frees)
+    on_tb = mode == "on_policy_tb"
+    max_live = max(batch, int(cfg.max_live_batches * batch), math.ceil(cfg.algo.tail_launch * batch) if on_tb else 0)
     rollout = RolloutConfig(
         batch_groups=cfg.batch_groups, n=cfg.n, max_new_tokens=workload.max_units, temperature=1.0,
-        max_live=max(batch, int(cfg.max_live_batches * batch)), wait_s=0.0, phase_timeout_s=3600.0,
+        max_live=max_live, wait_s=0.0, phase_timeout_s=3600.0,
     )
     prompt = np.zeros(workload.prompt_tokens, np.int32)
     # the switch window covers the same share of training as in a run of paper_steps steps (at least 2 steps)
     window = max(2, round(cfg.algo.switch_window * cfg.steps / cfg.paper_steps))
     loop = Loop(
         # partial pays no verification forward: no monitoring OPS either
-        replace(cfg.algo, mode=mode, switch_window=window, monitor_ops=False),
+        replace(cfg.algo, mode=mode.removesuffix("_tb"), tail_batching=tail, switch_window=window, monitor_ops=False),
         Rollout(rollout, engine, trainer, make_group=lambda gid: Group.new(gid, prompt, cfg.n, workload.max_units),
                 reward=lambda group, response: float(response.index % 2)),
     )
-    steps, phases, accept, switched_at, longest = [], [], [], None, []
+    steps, phases, accept, switched_at, longest, long_rounds = [], [], [], None, [], 0
     for _ in range(cfg.steps):
         t0, spent0 = clock.now, dict(clock.spent)
         result = loop.run_step()
@@ -150,6 +159,7 @@ def simulate(mode: str, context: int, cfg: SimConfig) -> RunResult:
             accept.append(m["acceptance_rate"])
         if m.get("switched") and switched_at is None:
             switched_at = len(steps)
+        long_rounds += int(m.get("tail/long_round") or 0)
         if mode == "on_policy" and result.trained_groups:
             longest_units = max(r.num_tokens for g in result.trained_groups for r in g.responses)
             longest.append(phases[-1].get("rollout", 0.0) / _alone(cost, workload, longest_units))
@@ -177,6 +187,7 @@ def simulate(mode: str, context: int, cfg: SimConfig) -> RunResult:
         step_s_by_step=[round(x, 2) for x in steps],
         gpu_days_before_switch=float(np.mean(steps[:switched_at - 1] if switched_at and switched_at > 1 else steps))
         * cfg.paper_steps * cfg.cluster.gpus / SECONDS_PER_DAY,
+        long_rounds=long_rounds,
     )
 
 
@@ -373,6 +384,26 @@ def async_table(rows: list[dict], specs: tuple[FloorSpec, ...] = FLOORS) -> str:
     return "\n".join(lines)
 
 
+def tail_table(rows: list[dict], results: dict[int, dict[str, RunResult]],
+               specs: tuple[FloorSpec, ...] = FLOORS) -> str:
+    """On-policy tail batching beside on_policy and rollverify (its fallback tail-batched or not), with the floors."""
+    head = (f"{'context':>8}{'on_policy':>11}{'on_tb':>9}{'on_tb/on':>10}{'long rounds':>13}{'rv':>8}{'rv_tb':>8}"
+            f"{'rv/on':>8}{'rv_tb/on':>10}{'switch':>8}" + _floor_heads(specs))
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        def f(key: str, fmt: str, r: dict = r) -> str:
+            return format(r[key], fmt) if key in r else "-"
+        tb = results.get(r["context"], {})
+        long = str(tb["on_policy_tb"].long_rounds) if "on_policy_tb" in tb else "-"
+        switch = str(tb["rollverify_tb"].switched_at) if "rollverify_tb" in tb else "-"
+        lines.append(
+            f"{r['context'] // 1024:>7}K{f('on_policy_gpu_days', '.1f'):>11}{f('on_policy_tb_gpu_days', '.1f'):>9}"
+            f"{f('on_policy_tb_ratio', '.3f'):>10}{long:>13}{f('rollverify_gpu_days', '.1f'):>8}"
+            f"{f('rollverify_tb_gpu_days', '.1f'):>8}{f('rollverify_ratio', '.3f'):>8}{f('rollverify_tb_ratio', '.3f'):>10}"
+            f"{switch:>8}" + _floor_cells(r, specs))
+    return "\n".join(lines)
+
+
 def floor_notes(specs: tuple[FloorSpec, ...]) -> str:
     """What the floor columns assume (they are the physical floor of the same workload; ratios to on_policy)."""
     return "\n".join(f"floor {s.bw_fraction:.0%}/{s.mfu:g}: {s.assumptions}" for s in specs)
@@ -469,6 +500,8 @@ def cli_main(argv: list[str] | None = None) -> int:
     p.add_argument("--drift-variants", nargs="*", default=None, metavar="DRIVER:LATE",
                    help="the drifts the verified modes run again under (default: progress:0.8 progress:0.9 "
                    "progress:0.95 offpolicy:0.85; none: skip)")
+    p.add_argument("--tail-launch", type=float, default=AlgoConfig.tail_launch, metavar="X",
+                   help="on_policy_tb / rollverify_tb: groups a regular round launches, in batches of B (default 1.5)")
     p.add_argument("--steps", type=int, default=SimConfig.steps, help="simulated steps per run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--verify-on", default="trainer", choices=VERIFY_ON,
@@ -508,7 +541,7 @@ def cli_main(argv: list[str] | None = None) -> int:
                                                                                  a.drift_variants))
         cluster = ClusterSpec(gpu=a.gpu, gpus=a.gpus, tp=a.tp, mem_fraction_static=a.mem_fraction_static)
         cfg = SimConfig(cluster=cluster, steps=a.steps, seed=a.seed,
-                        algo=AlgoConfig(verify_on=a.verify_on), tools=tools, rollout_gpus=a.rollout_gpus,
+                        algo=AlgoConfig(verify_on=a.verify_on, tail_launch=a.tail_launch), tools=tools, rollout_gpus=a.rollout_gpus,
                         split_candidates=tuple(a.splits or ()), drift_variants=variants)
         for g in ([a.rollout_gpus] if a.rollout_gpus else []) + list(a.splits or []):
             if not 0 < g < a.gpus or g % a.tp:
@@ -536,6 +569,10 @@ def cli_main(argv: list[str] | None = None) -> int:
     print(table(report["comparison"], cfg.floors))
     if set(a.modes) & set(ASYNC_MODES):
         print(async_table(report["comparison"], cfg.floors))
+    if set(a.modes) & set(TAIL_MODES):
+        print("on-policy tail batching (algo.tail_launch " + f"{cfg.algo.tail_launch:g}" + " x B launched a regular round):")
+        print(tail_table(report["comparison"], {int(c): {m: RunResult(**r) for m, r in by.items()}
+                                                 for c, by in report["results"].items()}, cfg.floors))
     print(floor_notes(cfg.floors))
     print(kv_table(report["results"]))
     if "sensitivity" in report:

@@ -17,7 +17,7 @@ from rollverify.sim.engine import DRIFT_DRIVERS, DriftModel
 
 # The paper's Table 7 (Qwen3-8B-Base, 32 H800, batch 128 x 8, 500 iterations): GPU-days on_policy, rollverify.
 PAPER_TABLE7 = {8192: (16.6, 15.1), 32768: (98.1, 57.5), 65536: (261.0, 137.0)}
-DRIFT_MODES = ("rollverify", "async_rollverify")  # the modes whose cost depends on the drift
+DRIFT_MODES = ("rollverify", "rollverify_tb", "async_rollverify", "async_rollverify_tb")  # the modes whose cost depends on the drift
 # besides the default (progress, late 0.85): the collapse earlier and later, and drift driven by off-policy training
 DEFAULT_VARIANTS = (("progress", 0.80), ("progress", 0.90), ("progress", 0.95), ("offpolicy", 0.85))
 
@@ -106,6 +106,9 @@ CLAIMS = (
     Claim("async_rollverify costs less than on_policy", _cmp("async_rollverify_ratio", "<", 1.0)),
     Claim("async_rollverify costs less than colocated rollverify", _cmp("async_rollverify_ratio", "<", "rollverify_ratio")),
     Claim("async_rollverify <= 0.50x of on_policy (the target)", _cmp("async_rollverify_ratio", "<=", 0.5)),
+    Claim("on_policy with tail batching costs less than on_policy", _cmp("on_policy_tb_ratio", "<", 1.0)),
+    Claim("rollverify with a tail-batched fallback <= 0.55x of on_policy (the target)",
+          _cmp("rollverify_tb_ratio", "<=", 0.55)),
 )
 
 
@@ -130,7 +133,7 @@ def conclusions(sensitivity: dict[str, dict[str, dict]]) -> list[dict]:
 def table(sensitivity: dict[str, dict[str, dict]], floor_name: str | None = None) -> str:
     head = (f"{'drift (what it grows with, collapse point)':<30}{'context':>8}{'rv/on':>8}{'switch':>8}"
             f"{'async_rv/on':>13}{'switch':>8}{'async_rv/rv':>13}{'partial/on':>12}{'async_part/on':>15}"
-            + (f"{'floor/on':>10}" if floor_name else ""))
+            + f"{'on_tb/on':>10}{'rv_tb/on':>10}{'switch':>8}" + (f"{'floor/on':>10}" if floor_name else ""))
     lines = [head, "-" * len(head)]
     for context, by_drift in sensitivity.items():
         for label, row in by_drift.items():
@@ -141,6 +144,7 @@ def table(sensitivity: dict[str, dict[str, dict]], floor_name: str | None = None
                 f"{label:<30}{int(context) // 1024:>7}K{f('rollverify_ratio'):>8}{f('rollverify_switched_at', 'd'):>8}"
                 f"{f('async_rollverify_ratio'):>13}{f('async_rollverify_switched_at', 'd'):>8}"
                 f"{f('async_rollverify_vs_rollverify'):>13}{f('partial_ratio'):>12}{f('async_partial_ratio'):>15}"
+                f"{f('on_policy_tb_ratio'):>10}{f('rollverify_tb_ratio'):>10}{f('rollverify_tb_switched_at', 'd'):>8}"
                 + (f"{f(f'{floor_name}_ratio'):>10}" if floor_name else ""))
     return "\n".join(lines)
 
