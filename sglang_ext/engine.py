@@ -23,6 +23,9 @@ import numpy as np
 
 from sglang_ext.tensor_payload import serialize_tensors
 
+# how long a flush waits for SGLang to retire the requests the server already let go of
+FLUSH_SETTLE_S = 60.0
+
 log = logging.getLogger("sglang_ext.engine")
 
 SAFETENSORS_DTYPES = {
@@ -502,16 +505,30 @@ class EngineHandle:
     async def update_from_disk(self, path: str) -> None:
         from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
 
-        res = await self.tm.update_weights_from_disk(UpdateWeightFromDiskReqInput(model_path=path), None)
+        # the cache is emptied by `flush` after it, which waits for SGLang to retire requests the server let go of
+        res = await self.tm.update_weights_from_disk(UpdateWeightFromDiskReqInput(model_path=path, flush_cache=False),
+                                                     None)
         ok, msg = res[0], res[1]
         if not ok:
             raise RuntimeError(f"update_weights_from_disk: {msg}")
         await self.flush()
 
     async def flush(self) -> None:
-        res = await self.tm.flush_cache()
-        if not getattr(res, "success", True):
-            raise RuntimeError(f"flush_cache: {getattr(res, 'message', res)}")
+        """Empty SGLang's caches. The caller has made the server idle (`Records.require_idle`), but SGLang's
+        scheduler retires an aborted or finished request a few iterations after the server stopped waiting on it,
+        and refuses the flush while one is left: the flush is retried until that is done, at most
+        FLUSH_SETTLE_S (a loaded machine can take seconds per iteration)."""
+        import asyncio
+
+        deadline = time.monotonic() + FLUSH_SETTLE_S
+        while True:
+            res = await self.tm.flush_cache()
+            if getattr(res, "success", True):
+                return
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"flush_cache: {getattr(res, 'message', res)} (still refused after "
+                                   f"{FLUSH_SETTLE_S:.0f} s)")
+            await asyncio.sleep(0.1)
 
     async def loads(self) -> list[dict[str, Any]]:
         import msgspec

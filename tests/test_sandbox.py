@@ -205,7 +205,8 @@ def test_tmpfs_memory_counts_against_the_call_and_dies_with_it(limits, check_cle
         "except OSError as exc:\n    print('tmp', exc.errno)\n"
         f"print(sorted(os.listdir('/dev/shm')))\n"
     )
-    result = run(limits, code, disk_bytes=64 * MIB, file_bytes=128 * MIB)
+    # time limits far above what 120 MiB of writes take, even on a busy machine: the subject is memory
+    result = run(limits, code, disk_bytes=64 * MIB, file_bytes=128 * MIB, wall_seconds=120, cpu_seconds=20)
     assert result.ok, result
     assert result.stdout.split("\n")[0] == "tmp 28"  # ENOSPC at the tmpfs size
     assert name in result.stdout and not Path("/dev/shm", name).exists()
