@@ -192,7 +192,7 @@ def test_tools_never_import_tests_and_tests_share_helpers_not_test_modules():
     test_modules = {p.stem for p in (ROOT / "tests").glob("test_*.py")}
     bad = []
     for folder in ("tests", "tools"):
-        for path in sorted((ROOT / folder).glob("*.py")):
+        for path in sorted((ROOT / folder).rglob("*.py")):
             tree = ast.parse(path.read_text(), filename=str(path))
             for node in ast.walk(tree):
                 names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
