@@ -345,7 +345,7 @@ def test_ops_budget_reports_the_auto_thresholds_cut_beside_the_grid():
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "experiments"))
     import ops_budget
 
     pool = carried_pool(1e-2, 5)

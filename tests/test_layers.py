@@ -192,7 +192,7 @@ def test_tools_never_import_tests_and_tests_share_helpers_not_test_modules():
     test_modules = {p.stem for p in (ROOT / "tests").glob("test_*.py")}
     bad = []
     for folder in ("tests", "tools"):
-        for path in sorted((ROOT / folder).glob("*.py")):
+        for path in sorted((ROOT / folder).rglob("*.py")):
             tree = ast.parse(path.read_text(), filename=str(path))
             for node in ast.walk(tree):
                 names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
@@ -203,7 +203,7 @@ def test_tools_never_import_tests_and_tests_share_helpers_not_test_modules():
                         bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: imports the test module {name}")
                     elif folder == "tools" and (top == "tests" or (ROOT / "tests" / f"{top}.py").is_file()):
                         bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: a tool imports tests' {name}")
-            if folder == "tools" and '"tests"' in path.read_text():
+            if folder == "tools" and ('"tests"' in path.read_text() or "'tests'" in path.read_text()):
                 bad.append(f"{path.relative_to(ROOT)}: a tool puts tests/ on its import path")
     assert not bad, "\n".join(bad)
 

@@ -1,4 +1,4 @@
-"""tools/paper_tables.py's aggregation and claim checks on written run folders (no run is started)."""
+"""tools/experiments/paper_tables.py's aggregation and claim checks on written run folders (no run is started)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "experiments"))
 import paper_tables as pt  # noqa: E402
 
 from rollverify.pricing import PRICES  # noqa: E402

@@ -7,8 +7,9 @@ plus generated and prefilled tokens in iteration-equivalents, rollverify/pricing
 follow) as a ratio with its 95 % interval over the steps, beside the decode iterations alone and the tokens
 generated per token trained, and the eval rewards with their intervals over the held-out prompts. Wall time is
 this machine's and only in the table. One seed is one sample: the claims of docs/results.md rest on several
-(tools/compare_seeds.py, tools/settle.py). Without --out the demo writes to runs/demo, or runs/demo-2, -3, ...
-when that holds an earlier demo; an explicit --out that holds one is refused unless --overwrite.
+(tools/experiments/compare_seeds.py, tools/experiments/settle.py). Without --out the demo writes to runs/demo,
+or runs/demo-2, -3, ... when that holds an earlier demo; an explicit --out that holds one is refused unless
+--overwrite.
 """
 
 from __future__ import annotations

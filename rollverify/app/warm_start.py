@@ -36,8 +36,8 @@ class WarmStartRecipe:
 
 # Per-task recipes: the warm-started default tiny model (hidden 64, 2 layers) samples a reward of ~0.4 at
 # temperature 1 on the eval split (greedy ~0.5; 300 steps give ~0.27, 400 ~0.5), in about a minute on one idle
-# core; countdown_short with the same recipe ~0.32 (T=1), ~0.40 (greedy). `python tools/warm_start_report.py`
-# measures them.
+# core; countdown_short with the same recipe ~0.32 (T=1), ~0.40 (greedy).
+# `python tools/experiments/warm_start_report.py` measures them.
 RECIPES: dict[str, WarmStartRecipe] = {
     "countdown": WarmStartRecipe(),
     "countdown_short": WarmStartRecipe(),

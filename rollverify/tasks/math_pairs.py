@@ -1,5 +1,6 @@
 """Hand-labelled answer pairs of the math reward (`rollverify.tasks.math.math_reward`): what it must accept and
-reject. tests/test_rewards.py checks each; tools/reward_confusion.py counts a reward's confusion on them."""
+reject. tests/test_rewards.py checks each; tools/experiments/reward_confusion.py counts a reward's confusion on
+them."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The tiny model's warm start, measured: sampled reward of the untrained and the warm-started model on a task's
 eval split (for tuning `rollverify.app.warm_start.RECIPES` and for reports).
 
-    python tools/warm_start_report.py --task countdown --seed 0 [--steps N --lr X --hidden H ...]
+    python tools/experiments/warm_start_report.py --task countdown --seed 0 [--steps N --lr X --hidden H ...]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from rollverify.tasks import get_task
 
 def cli_main(argv: list[str] | None = None) -> int:
     """Measure base vs warm-started sampled reward on the eval split (for tuning recipes and reports)."""
-    p = argparse.ArgumentParser(prog="python tools/warm_start_report.py", description=cli_main.__doc__)
+    p = argparse.ArgumentParser(prog="python tools/experiments/warm_start_report.py", description=cli_main.__doc__)
     p.add_argument("--task", default="countdown")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=None, help="override the recipe's step count")

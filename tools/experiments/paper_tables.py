@@ -1,8 +1,8 @@
 """The paper's Tables 3-6 and Figures 4 and 5(b) on the tiny task: run every configuration over seeds, aggregate.
 
-    python tools/paper_tables.py --out runs/paper                 # every run, 3 seeds (hours), then the tables
-    python tools/paper_tables.py --out runs/paper --aggregate     # tables and figures from the runs already there
-    python tools/paper_tables.py --out runs/quick --quick         # 2 runs x 1 seed x 2 small steps: the pipeline
+    python tools/experiments/paper_tables.py --out runs/paper                 # every run, 3 seeds (hours), then the tables
+    python tools/experiments/paper_tables.py --out runs/paper --aggregate     # tables and figures from the runs already there
+    python tools/experiments/paper_tables.py --out runs/quick --quick         # 2 runs x 1 seed x 2 small steps: the pipeline
 
 Each distinct configuration runs once per seed (Table 6's partial GRPO is Table 3's partial, d_s = 0.01 with the
 sequence stage only is Table 3's "+ sequence stage", and so on) into OUT/<run>/s<seed>, through `rollverify train`

@@ -1,7 +1,7 @@
 """Aggregate `rollverify demo --tools` runs over seeds: the multi-turn figures of docs/results.md.
 
     for s in 0 1 2; do rollverify demo --tools --modes on_policy partial rollverify --out runs/tools/s$s seed=$s; done
-    python tools/tool_seeds.py runs/tools/s0 runs/tools/s1 runs/tools/s2 --json runs/tools/summary.json
+    python tools/experiments/tool_seeds.py runs/tools/s0 runs/tools/s1 runs/tools/s2 --json runs/tools/summary.json
 
 Per mode, as mean [min, max] over the seeds: decode iterations per step and their ratio to on-policy's (the
 engine's sequential decode iterations of a phase, what rollout time follows on a GPU), wall step time, tool
@@ -20,7 +20,7 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from rollverify.metrics import load_metrics  # noqa: E402
 

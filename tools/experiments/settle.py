@@ -1,11 +1,11 @@
 """The settling experiment: does verification at a fair tightness keep partial rollout's speed and on-policy's
 accuracy where partial rollout loses accuracy? (docs/results.md, "Current results"; docs/verification.md)
 
-    python tools/settle.py screen --out runs/settle                   # seed 100: partial at lr 1e-3 x max_live
-                                                                      # {48, 64, 256} x TIS {on, off}, on-policy
-    python tools/settle.py calibrate --out runs/settle --setting ml64_tis   # seed 100: RollVerify, auto thresholds
-    python tools/settle.py seeds --out runs/settle --setting ml64_tis       # seeds 101-105 x five modes
-    python tools/settle.py table --out runs/settle --setting ml64_tis       # the tables from what is there
+    python tools/experiments/settle.py screen --out runs/settle
+        # seed 100: partial at lr 1e-3 x max_live {48, 64, 256} x TIS {on, off}, on-policy
+    python tools/experiments/settle.py calibrate --out runs/settle --setting ml64_tis  # seed 100: auto thresholds
+    python tools/experiments/settle.py seeds --out runs/settle --setting ml64_tis      # seeds 101-105 x five modes
+    python tools/experiments/settle.py table --out runs/settle --setting ml64_tis      # the tables from what is there
 
 Every run is `configs/tiny_stale.yaml` (lr 1e-3, 40 steps) with the setting's `rollout.max_live` and
 `trainer.correction.method` (tis or none), one evaluation at step 40 (512 prompts x 2) and the initial model's evaluation on the same

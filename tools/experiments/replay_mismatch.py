@@ -1,6 +1,6 @@
 """Trainer/engine log-prob mismatch over weight updates, with and without routing replay (the table of docs/results.md).
 
-    python tools/replay_mismatch.py --out runs/replay_mismatch [--settings tiny_moe a3b_layer ...] [--steps 4]
+    python tools/experiments/replay_mismatch.py --out runs/replay_mismatch [--settings tiny_moe a3b_layer ...] [--steps 4]
 
 Each setting is one `rollverify train` of `--steps` steps (rollverify mode, lr 1e-4 unless the setting says,
 the tail carried over every step, a reward that varies with the response so that every step moves the
@@ -17,7 +17,14 @@ import json
 import sys
 from pathlib import Path
 
-REWARD = f"{Path(__file__).resolve().parent.parent / 'tests' / 'replay_reward.py'}:score"
+
+def score(prompt: str, response: str, label: object) -> float:
+    """The runs' reward (`task.reward` points at this file): it varies with the response, so that every step moves
+    the untrained weights (the countdown reward would be 0 everywhere); the end-to-end tests' reward is the same."""
+    return float(sum(map(ord, response)) % 7) / 6.0
+
+
+REWARD = f"{Path(__file__).resolve()}:score"
 # its 0.8 GB of float32 weights need SGLang's static share of this machine's memory above the default 0.05
 A3B = ("model.tiny_overrides={hidden_size: 2048, num_heads: 32, num_kv_heads: 4, head_dim: 128, "
        "moe_intermediate_size: 768, intermediate_size: 768, num_experts: 16, top_k: 8}",

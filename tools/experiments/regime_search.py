@@ -1,7 +1,7 @@
 """Where does naive partial rollout lose accuracy? Run named settings x modes x seeds against one shared server.
 
-    python tools/regime_search.py --out runs/regime --settings lr2e-4_ml256 lr5e-4_ml128 --seeds 100
-    python tools/regime_search.py --out runs/regime --aggregate          # the table from what is there
+    python tools/experiments/regime_search.py --out runs/regime --settings lr2e-4_ml256 lr5e-4_ml128 --seeds 100
+    python tools/experiments/regime_search.py --out runs/regime --aggregate          # the table from what is there
 
 A setting is a list of config overrides (SETTINGS below: every setting the search tried stays listed, so the
 table can be rebuilt); a run is (setting, mode, seed) in OUT/<setting>/<mode>/s<seed>, skipped when its

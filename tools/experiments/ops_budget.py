@@ -3,7 +3,7 @@ trade between tokens cut and off-policy shift removed, read from a checkpoint. (
 sequence stage's what-if acceptance over a d_s grid, are logged every step under verify/drift/ and
 verify/whatif/: rollverify/calibration.py.)
 
-    python tools/ops_budget.py runs/seeds/s0/partial --json runs/seeds/s0/ops_budget.json
+    python tools/experiments/ops_budget.py runs/seeds/s0/partial --json runs/seeds/s0/ops_budget.json
 
 The run folder's checkpoint (checkpoint/: buffer.npz, loop.json, trainer/) holds the carried-over responses
 with the engine's log-prob and policy version of every token; the run's own trainer, loaded at the checkpoint's

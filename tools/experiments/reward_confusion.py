@@ -1,7 +1,7 @@
 """Confusion figures of a math reward on the hand-labelled answer pairs (rollverify/tasks/math_pairs.py).
 
-    python tools/reward_confusion.py                      # the current rollverify.tasks.math.math_reward
-    python tools/reward_confusion.py --module OLD_MATH.py # another version, e.g. `git show REV:rollverify/tasks/math.py`
+    python tools/experiments/reward_confusion.py                      # the current rollverify.tasks.math.math_reward
+    python tools/experiments/reward_confusion.py --module OLD_MATH.py # another version, e.g. `git show REV:rollverify/tasks/math.py`
 
 Prints one JSON object: pairs, correct/wrong labels, TP, FN (correct answers rejected), FP (wrong answers
 accepted), TN, seconds, and the pairs it got wrong.
@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 

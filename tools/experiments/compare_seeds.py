@@ -1,7 +1,7 @@
 """Aggregate `rollverify demo` runs over seeds: each mode's figures as mean and [min, max] across seeds.
 
     for s in 0 1 2; do rollverify demo --modes on_policy partial rollverify --out runs/seeds/s$s seed=$s; done
-    python tools/compare_seeds.py runs/seeds/s0 runs/seeds/s1 runs/seeds/s2 --json runs/seeds/summary.json
+    python tools/experiments/compare_seeds.py runs/seeds/s0 runs/seeds/s1 runs/seeds/s2 --json runs/seeds/summary.json
 
 Against the project's targets for RollVerify it prints, each per seed and as mean [min, max] over the seeds:
 RollVerify's decode iterations per step over on-policy's (the hardware-neutral rollout time: the engine's
