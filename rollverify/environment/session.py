@@ -248,7 +248,10 @@ class SandboxSession:
             peak = self.cgroup.peak_memory()
             self.cgroup.close()
         else:
-            leftovers = kill_leftovers(self.pid, pid_ns)
+            leftovers = 0
+        # by process group and PID namespace too: a process of the call outside its cgroup (or one the kernel is
+        # still tearing down) is gone before the result is returned
+        leftovers += kill_leftovers(self.pid, pid_ns)
         if peak is None and end.get("maxrss_kib") is not None:
             peak = end["maxrss_kib"] * 1024
         exit_code, killed_by = decode_status(end.get("status"), timed_out or killed_early)
